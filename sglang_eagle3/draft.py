@@ -1,0 +1,288 @@
+"""The EAGLE-3 draft model: one definition for the trainer, the engine and the exporters.
+
+Weight names equal SGLang's `LlamaForCausalLMEagle3` checkpoint names (and the official EAGLE-3 ones):
+
+    fc.weight                                   [H, n_aux * H_target]   fuses low/mid/high target features
+    midlayer.hidden_norm.weight                 [H]                     RMSNorm of the fed hidden state
+    midlayer.input_layernorm.weight             [H]                     RMSNorm of the token embedding
+    midlayer.self_attn.{q,k,v}_proj.weight      [heads * head_dim, 2H]  reads norm(embed) ++ hidden_norm(hidden)
+    midlayer.self_attn.o_proj.weight            [H, heads * head_dim]
+    midlayer.post_attention_layernorm.weight    [H]
+    midlayer.mlp.{gate,up}_proj.weight          [I, H];  down_proj [H, I]
+    norm.weight                                 [H]
+    lm_head.weight                              [draft_vocab_size, H]
+    d2t                                         [draft_vocab_size] int64   target_id = draft_id + d2t[draft_id]
+    t2d                                         [vocab_size] bool          target token is in the draft vocab
+
+The token embedding is the target's, frozen and never saved (`set_embedding`).
+Attention is delegated to a callable, so inference (KV cache + tree mask) and training-time test
+(causal + per-step diagonal keys) run the very same layer code.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, Eagle3Config
+
+# attend(q [B, nH, T, D], k [B, nKV, T, D], v [B, nKV, T, D]) -> [B, nH, T, D]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A draft checkpoint that does not match what it claims to be; the message names the tensor."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, h, T, D]; cos/sin [B, T, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def sdpa_attend(mask: Optional[torch.Tensor]) -> AttendFn:
+    """Plain attention over the given keys; mask [B, 1|nH, T, S] bool (True = attend) or None = causal."""
+    def attend(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return attend
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attend: AttendFn):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v)                                    # [B, nH, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """SGLang's first (input) draft layer: attention reads norm(embed) ++ hidden_norm(hidden)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, attend: AttendFn):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)   # [B, T, 2H]
+        hidden = residual + self.self_attn(x, cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))   # pre-norm output [B, T, H]
+
+
+class RotaryEmbedding(nn.Module):
+    """Llama RoPE (any rope_scaling transformers knows), cos/sin for explicit positions."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+        rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
+        lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=rope)
+        if rope["rope_type"] == "default":
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, head_dim]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+class Eagle3DraftModel(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.embed_tokens: Optional[nn.Embedding] = None   # the target's, set by set_embedding; not saved
+        if config.draft_vocab_size == config.vocab_size:
+            self.set_vocab_mapping(torch.arange(config.vocab_size))
+
+    # ---- vocabulary ---------------------------------------------------------------------
+    def set_vocab_mapping(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target [draft_vocab_size]: sorted-or-not unique target ids of the draft vocab."""
+        ids = draft_to_target.long().cpu()
+        if ids.shape != (self.config.draft_vocab_size,) or ids.unique().numel() != ids.numel():
+            raise CheckpointError(f"draft_to_target must be {self.config.draft_vocab_size} unique target ids, "
+                                  f"got shape {tuple(ids.shape)}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_embedding(self, embedding: nn.Embedding) -> None:
+        """Use the target's token embedding (frozen, shared, not part of the checkpoint)."""
+        if embedding.weight.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise CheckpointError(f"target embedding is {tuple(embedding.weight.shape)} but the draft expects "
+                                  f"[vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size}]")
+        embedding.weight.requires_grad_(False)
+        object.__setattr__(self, "embed_tokens", embedding)   # not a submodule: never saved or trained
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
+                attend: Optional[AttendFn] = None) -> torch.Tensor:
+        """One draft step.
+
+        input_ids [B, T]: the token at each position's *next* slot (x_{t+1} paired with feature t);
+        hidden_states [B, T, n_aux*H_target] (fused target features, step 0) or [B, T, H] (draft's own output);
+        positions [B, T]. Returns the pre-norm hidden [B, T, H]; logits come from `compute_logits`.
+        """
+        if self.embed_tokens is None:
+            raise RuntimeError("draft has no token embedding: call set_embedding(target.embed_tokens) first")
+        embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        if hidden_states.shape[-1] != embeds.shape[-1]:          # step 0: fuse the target features (as SGLang)
+            hidden_states = self.project(hidden_states)
+        cos, sin = self.rotary(positions, embeds.dtype)
+        return self.midlayer(embeds, hidden_states, cos, sin, attend or sdpa_attend(None))
+
+    def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Fused features g = fc([l; m; h]): [.., n_aux*H_target] -> [.., H]."""
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., H] -> draft-vocab logits [.., draft_vocab_size]."""
+        return self.lm_head(self.norm(hidden))
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def expected_shapes(self) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in self.state_dict().items()}
+
+    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(directory, exist_ok=True)
+        state = {}
+        for k, v in self.state_dict().items():
+            v = v.detach().cpu()
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            state[k] = v.contiguous()
+        cfg = self.config
+        if dtype is not None:
+            cfg.torch_dtype = str(dtype).replace("torch.", "")
+        tmp = os.path.join(directory, "model.safetensors.tmp")
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(directory, "model.safetensors"))
+        cfg.save(directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None,
+                        device: Optional[torch.device | str] = None) -> "Eagle3DraftModel":
+        config = Eagle3Config.load(directory)
+        model = cls(config)
+        model.load_state_dict(load_draft_state(directory, model.expected_shapes()))
+        if dtype is None:
+            dtype = getattr(torch, config.torch_dtype, torch.float32)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def check_target(self, target_config, aux_layer_ids: Optional[list[int]] = None) -> None:
+        """Refuse a draft that cannot work with this target (vocab, hidden size, layer ids)."""
+        tc = getattr(target_config, "text_config", target_config)
+        c = self.config
+        if c.vocab_size != tc.vocab_size:
+            raise CheckpointError(f"draft vocab_size={c.vocab_size} but target vocab_size={tc.vocab_size} "
+                                  f"(t2d has {self.t2d.numel()} entries)")
+        if c.target_hidden_size != tc.hidden_size:
+            raise CheckpointError(f"draft target_hidden_size={c.target_hidden_size} (fc.weight "
+                                  f"{tuple(self.fc.weight.shape)}) but target hidden_size={tc.hidden_size}")
+        if c.hidden_size != tc.hidden_size:
+            raise CheckpointError(f"draft hidden_size={c.hidden_size} but the target's embedding is "
+                                  f"[{tc.vocab_size}, {tc.hidden_size}]; the draft reuses the target embedding")
+        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"draft eagle_aux_hidden_state_layer_ids={c.aux_layer_ids} has ids {bad} outside "
+                                  f"the target's {tc.num_hidden_layers} layers")
+        if aux_layer_ids is not None and list(aux_layer_ids) != list(c.aux_layer_ids):
+            raise CheckpointError(f"draft was trained on aux layers {c.aux_layer_ids} but the target runtime "
+                                  f"captures {list(aux_layer_ids)}")
+
+
+def load_draft_state(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Read model.safetensors (or sharded *.safetensors) and check names and shapes against `expected`."""
+    from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(os.path.join(directory, f)))
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)   # some exports carry the (frozen) target embedding
+    missing = [k for k in expected if k not in state]
+    extra = [k for k in state if k not in expected]
+    if missing or extra:
+        raise CheckpointError(f"{directory}: " + "; ".join(
+            ([f"missing tensor {k} (expected shape {list(expected[k])})" for k in missing] +
+             [f"unexpected tensor {k} (shape {list(state[k].shape)})" for k in extra])))
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != shape:
+            raise CheckpointError(f"{directory}: tensor {k} has shape {list(state[k].shape)}, "
+                                  f"config.json implies {list(shape)}")
+    if state["d2t"].dtype not in (torch.int64, torch.int32):
+        raise CheckpointError(f"{directory}: tensor d2t has dtype {state['d2t'].dtype}, expected int64")
+    state["d2t"] = state["d2t"].long()
+    state["t2d"] = state["t2d"].bool()
+    return state

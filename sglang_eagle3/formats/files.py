@@ -1,0 +1,127 @@
+"""Reading and writing draft folders: config.json, weight files, atomic folder writes.
+
+Weights may be one `model.safetensors`, shards listed in `model.safetensors.index.json`, bare
+`*.safetensors` shards, or the `pytorch_model.bin` the released EAGLE-3 checkpoints ship (read with
+`torch.load(weights_only=True)`: tensors only, no code execution).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable
+
+import torch
+
+
+class FolderError(ValueError):
+    """A draft folder whose files cannot be read; the message names the file."""
+
+
+def read_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FolderError(f"{directory}: no config.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FolderError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise FolderError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def weight_files(directory: str) -> list[str]:
+    """The weight files of a folder, preferring safetensors, following an index if there is one."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = os.path.join(directory, index_name)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise FolderError(f"{index}: unreadable index ({e!r})") from None
+            return sorted(set(weight_map.values()))
+    names = sorted(os.listdir(directory))
+    shards = [n for n in names if n.endswith(".safetensors")]
+    if shards:
+        return shards
+    return [n for n in names if n.endswith(".bin") and n.startswith("pytorch_model")]
+
+
+def _load_one(path: str) -> dict[str, torch.Tensor]:
+    if not os.path.isfile(path):
+        raise FolderError(f"{path}: listed weight file is missing")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        try:
+            return load_file(path)
+        except Exception as e:  # safetensors raises several types for a damaged header
+            raise FolderError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise FolderError(f"{path}: unreadable PyTorch file ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FolderError(f"{path}: expected a dict of tensors")
+    return state
+
+
+def read_weights(directory: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """All tensors of the folder (name -> tensor) and the files they came from."""
+    files = weight_files(directory)
+    if not files:
+        raise FolderError(f"{directory}: no weights (model.safetensors or pytorch_model.bin)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, value in _load_one(os.path.join(directory, name)).items():
+            if key in state:
+                raise FolderError(f"{directory}: tensor {key} appears in more than one weight file")
+            state[key] = value
+    return state, files
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+
+
+def save_torch_bin(state: dict[str, torch.Tensor], path: str) -> None:
+    torch.save({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, path)
+
+
+def save_json(d: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+        f.write("\n")
+
+
+def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool = False,
+                        validate: Callable[[str], None] | None = None) -> None:
+    """Build the folder in a temporary sibling, validate it, then move it to `out` in one rename.
+
+    fill(tmp_dir) writes the files; validate(tmp_dir) may raise to abandon the write.
+    An existing `out` is replaced only with overwrite=True (the old folder is removed after the swap).
+    """
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        fill(tmp)
+        if validate is not None:
+            validate(tmp)
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.replace(out, os.path.join(old, "x"))
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

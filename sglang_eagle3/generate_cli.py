@@ -1,0 +1,131 @@
+"""`eagle3 generate` and `eagle3 init-draft`: the engine's command-line contract."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from .cli import UserError
+from .config import Eagle3Config, SpecConfig
+from .prompts import load_prompts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_target(name: str | None) -> str:
+    """'testbed' (or nothing) = the embedded SmolLM2 target; otherwise a HF folder or hub id."""
+    if name in (None, "", "testbed"):
+        from .testbed import prepare
+        return prepare()
+    return name
+
+
+def shipped_draft() -> str | None:
+    """The draft shipped in the repo for the embedded target, if present."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "checkpoints", "smollm2-135m-eagle3")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: str = "float32", device: str = "cpu"):
+    from .draft import Eagle3DraftModel
+    from .engine import SpeculativeEngine
+    from .target import TargetModel
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    target_path = resolve_target(target)
+    draft_model = None
+    if draft and draft != "none":
+        if not os.path.isdir(draft):
+            raise UserError(f"--draft {draft}: no such folder")
+        draft_model = Eagle3DraftModel.from_pretrained(draft, dtype=DTYPES[dtype], device=device)
+    aux = draft_model.config.aux_layer_ids if draft_model is not None else None
+    tm = TargetModel.from_pretrained(target_path, dtype=DTYPES[dtype], device=device, aux_layer_ids=aux)
+    return SpeculativeEngine(tm, draft_model, spec)
+
+
+def add_spec_args(p) -> None:
+    g = p.add_argument_group("draft tree (SGLang semantics)")
+    g.add_argument("--num-steps", type=int, default=5, help="tree depth (default 5)")
+    g.add_argument("--topk", type=int, default=4, help="branching per step (default 4)")
+    g.add_argument("--num-draft-tokens", type=int, default=16, help="tokens verified per step incl. the root (default 16)")
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate with the embedded engine (speculative or vanilla)")
+    p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder, or 'none' for vanilla decoding "
+                                                 "(default: the shipped draft for the embedded target, else none)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts-file", help="jsonl: eval rows (turns), ShareGPT rows (conversations), or {prompt}")
+    p.add_argument("--chat", action="store_true", help="wrap prompts as a user turn through the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
+    add_spec_args(p)
+    p.set_defaults(func=run_generate)
+
+    q = sub.add_parser("init-draft", help="write a randomly initialised EAGLE-3 draft for a target")
+    q.add_argument("--target", default="testbed")
+    q.add_argument("--out", required=True)
+    q.add_argument("--draft-vocab-size", type=int, default=None, help="default: the target's vocab size")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    q.set_defaults(func=run_init_draft)
+
+
+def run_generate(a) -> int:
+    from .verify import SamplingParams
+    if a.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {a.batch_size}")
+    try:
+        params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    prompts = [a.prompt] if a.prompt is not None else [t[0] for t in load_prompts(a.prompts_file, limit=a.limit)]
+    if a.chat:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+    draft = a.draft if a.draft is not None else (shipped_draft() if a.target in (None, "testbed") else None)
+    engine = load_engine(a.target, draft, spec, a.dtype)
+    outputs, stats = engine.generate(prompts, params, batch_size=a.batch_size)
+    if a.json:
+        json.dump({"outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                                "finish_reason": o.finish_reason, "accept_length": o.accept_length}
+                               for o in outputs],
+                   "stats": stats.as_dict(), "draft": draft or "none"}, sys.stdout)
+        print()
+        return 0
+    for o in outputs:
+        shown = o.prompt if isinstance(o.prompt, str) else o.prompt[-1]["content"]
+        print(f">>> {shown}\n{o.text}\n[{len(o.token_ids)} tokens, {o.finish_reason}, accept length {o.accept_length:.2f}]\n")
+    print(f"draft: {draft or 'none (vanilla)'} | tokens: {stats.generated_tokens} | verify steps: {stats.verify_steps} | "
+          f"accept length: {stats.accept_length:.2f} | {stats.tokens_per_s:.1f} tok/s | "
+          f"draft {stats.draft_time:.2f}s verify {stats.verify_time:.2f}s prefill {stats.prefill_time:.2f}s")
+    return 0
+
+
+def run_init_draft(a) -> int:
+    from transformers import AutoConfig
+    from .draft import Eagle3DraftModel
+    target_cfg = AutoConfig.from_pretrained(resolve_target(a.target))
+    cfg = Eagle3Config.for_target(target_cfg, draft_vocab_size=a.draft_vocab_size)
+    torch.manual_seed(a.seed)
+    model = Eagle3DraftModel(cfg)
+    # An untrained draft's vocabulary: the lowest target ids (BPE vocabularies put frequent tokens first).
+    model.set_vocab_mapping(torch.arange(cfg.draft_vocab_size))
+    model.save_pretrained(a.out, dtype=DTYPES[a.dtype])
+    print(a.out)
+    return 0

@@ -1,0 +1,192 @@
+"""Training-time test (TTT): EAGLE-3's multi-step draft loss in one pass per step.
+
+Notation for one sequence x_0 .. x_{T-1}. The target gives, at every position t, fused features
+aux_t (the inputs of three layers) and its last hidden state h_t *after the final norm*, so that
+logits_t = lm_head(h_t) is the target's distribution of x_{t+1}.
+
+Step 0 pairs feature t with the next data token x_{t+1} (RoPE position t) and predicts x_{t+2},
+i.e. it is trained against the target's softmax at position t+1. Step k feeds, at the same base
+position t, the draft's own step k-1 output (pre-norm hidden) with the data token x_{t+k+1} at RoPE
+position t+k and is trained against the target's softmax at position t+k+1. This is exactly what
+the draft sees at inference after the target verified x_{t+1}: the chain grows one token per step
+(engine/tree.py uses position root-1+depth), except that training feeds data tokens, not samples.
+
+Attention of step k at base position t: the step-0 keys at positions <= t (causal, real features)
+plus the keys of steps 1..k at position t only (the chain's own earlier steps). The second part is a
+"diagonal": it is scored with one einsum against the stacked per-step keys, concatenated to the
+causal scores and normalised with a single softmax, so memory is O(T*T + T*steps) per step instead
+of O(T*T*steps) for an explicit [T*steps, T*steps] mask.
+
+Step loss: soft cross-entropy against the target's softmax restricted to the draft vocabulary
+(target logits gathered at the draft's target ids, then softmax), over positions whose loss_mask
+is set and whose target argmax is in the draft vocabulary; total = sum_k decay^k * loss_k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEATURES = ("fused", "top")
+
+
+class TTTAttention:
+    """attend(q, k, v) for TTT: call once per step, in order (step 0 first).
+
+    Step k receives q/k/v for the first T_k base positions (T_k shrinks with k: the tail has no data
+    token left). key_valid [B, T] bool: real (non-padding) keys of step 0.
+    """
+
+    def __init__(self, key_valid: torch.Tensor):
+        self.key_valid = key_valid.bool()
+        self.keys: list[torch.Tensor] = []     # per step [B, nKV, T_j, D]
+        self.values: list[torch.Tensor] = []
+
+    def causal_allowed(self, T: int) -> torch.Tensor:
+        """[B, 1, 1, T, T] bool: key s <= query t and s is a real token (a query always sees itself)."""
+        idx = torch.arange(T, device=self.key_valid.device)
+        causal = idx.view(T, 1) >= idx.view(1, T)
+        allowed = causal & (self.key_valid[:, None, :T] | torch.eye(T, dtype=torch.bool, device=idx.device))
+        return allowed[:, None, None]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, nH, T, D = q.shape
+        nKV = k.shape[1]
+        self.keys.append(k)
+        self.values.append(v)
+        q = q.reshape(B, nKV, nH // nKV, T, D) * D ** -0.5                 # [B, nKV, g, T, D]
+        k0, v0 = self.keys[0][:, :, :T], self.values[0][:, :, :T]             # [B, nKV, T, D]
+        scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, T, T]
+        scores = scores.masked_fill(~self.causal_allowed(T), float("-inf"))
+        if len(self.keys) > 1:
+            kd = torch.stack([kj[:, :, :T] for kj in self.keys[1:]], dim=2)   # [B, nKV, k, T, D]
+            vd = torch.stack([vj[:, :, :T] for vj in self.values[1:]], dim=2)
+            diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, T, k]
+            scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, T, T + k]
+        probs = scores.softmax(-1, dtype=_wide(q.dtype)).to(q.dtype)
+        out = torch.einsum("bngts,bnsd->bngtd", probs[..., :T], v0)
+        if len(self.keys) > 1:
+            out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., T:], vd)
+        return out.reshape(B, nH, T, D)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / loss precision: fp32 for half types, else the input's own (fp64 stays fp64 in tests)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass
+class TTTOutput:
+    """Loss plus summable counters (add them over batches / ranks, then call `metrics`)."""
+    loss: torch.Tensor            # scalar, differentiable
+    step_loss: torch.Tensor       # [K] detached per-step losses (0 where a step had no valid position)
+    step_correct: torch.Tensor    # [K] positions where draft argmax == target argmax
+    step_count: torch.Tensor      # [K] positions scored for accuracy (loss_mask at the predicted token)
+    accept_sum: torch.Tensor      # scalar: sum over chain starts of consecutive correct steps
+    accept_count: torch.Tensor    # scalar: number of chain starts
+    feature_loss: Optional[torch.Tensor] = None
+
+    def counters(self) -> torch.Tensor:
+        """[2K + 2] float64 vector for all-reduce: correct, count, accept_sum, accept_count."""
+        return torch.cat([self.step_correct, self.step_count,
+                          self.accept_sum.view(1), self.accept_count.view(1)]).double()
+
+
+def metrics_from_counters(c: torch.Tensor) -> dict:
+    """acc_0..acc_{K-1} and the simulated acceptance length (1 bonus token + accepted draft tokens)."""
+    K = (c.numel() - 2) // 2
+    correct, count = c[:K], c[K:2 * K]
+    out = {f"acc_{k}": float(correct[k] / count[k]) if count[k] > 0 else float("nan") for k in range(K)}
+    out["accept_length"] = 1.0 + float(c[2 * K] / c[2 * K + 1]) if c[2 * K + 1] > 0 else float("nan")
+    return out
+
+
+@torch.no_grad()
+def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
+    """last_hidden [B, T, Ht] (post final norm) -> (p [B, T, Vd] softmax over the draft vocab, top [B, T] target ids)."""
+    w = lm_head.weight
+    logits = lm_head(last_hidden.to(w.dtype))
+    logits = logits.to(_wide(logits.dtype))                      # [B, T, V]
+    return logits[..., draft_ids].softmax(-1), logits.argmax(-1)
+
+
+def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Tensor:
+    if features not in FEATURES:
+        raise ValueError(f"features={features!r}; expected one of {FEATURES}")
+    x = last_hidden if features == "top" else aux_hidden_states
+    if x.shape[-1] != draft.fc.in_features:
+        name = "last_hidden" if features == "top" else "aux_hidden_states"
+        raise ValueError(f"{name} has {x.shape[-1]} features but the draft's fc reads {draft.fc.in_features} "
+                         f"(aux_layer_ids={draft.config.aux_layer_ids}, features={features!r})")
+    # Always project here: with one aux layer and Ht == H the draft could not tell features from hidden.
+    return draft.project(x)                                     # [B, T, H]
+
+
+def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: Optional[torch.Tensor],
+                last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
+                ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
+                feature_loss_weight: float = 0.0) -> TTTOutput:
+    """EAGLE-3 training-time test on one batch.
+
+    input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
+    last_hidden [B, T, Ht] after the target's final norm; lm_head: the target's (frozen).
+    features="top" feeds last_hidden instead of the fused aux features (the draft's fc must read Ht).
+    feature_loss_weight > 0 adds smooth-L1(step-0 draft hidden at t, target last hidden at t+1).
+    """
+    B, T = input_ids.shape
+    dev = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted
+    draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
+    p_all, top = target_distribution(last_hidden, lm_head, draft_ids)       # [B, T, Vd], [B, T]
+    scored = valid & draft.t2d[top]                                        # loss positions (pre-shift)
+
+    hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
+    attend = TTTAttention(attention_mask.bool())
+    positions = torch.arange(T, device=dev).expand(B, T)
+    zero = torch.zeros((), device=dev)
+    total, feat_loss = zero, None
+    step_loss, step_correct, step_count = [], [], []
+    alive = None                                                           # [B, T_k] chain still accepted
+    accept_sum, accept_count = zero.clone(), zero.clone()
+    for k in range(ttt_length):
+        n = T - k - 1                                                      # base positions with a token x_{t+k+1}
+        if n <= 0:
+            step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
+            continue
+        h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
+        logits = draft.compute_logits(h)
+        logits = logits.to(_wide(logits.dtype))                           # [B, n, Vd]
+        ce = -(p_all[:, k + 1:] * logits.log_softmax(-1)).sum(-1)         # [B, n]
+        m = scored[:, k + 1:].float()
+        loss_k = (ce * m).sum() / m.sum().clamp(min=1.0)
+        total = total + step_decay ** k * loss_k
+        if k == 0 and feature_loss_weight > 0:
+            wide = _wide(h.dtype)
+            fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, n]
+            fm = valid[:, 1:].float()
+            feat_loss = (fl * fm).sum() / fm.sum().clamp(min=1.0)
+            total = total + feature_loss_weight * feat_loss
+        with torch.no_grad():
+            ok = draft_ids[logits.argmax(-1)] == top[:, k + 1:]            # [B, n]
+            v = valid[:, k + 1:]
+            step_loss.append(loss_k.detach())
+            step_correct.append((ok & v).sum().float())
+            step_count.append(v.sum().float())
+            alive = (ok & v) if alive is None else (alive[:, :n] & ok & v)
+            if k == 0:
+                accept_count = v.sum().float()
+            accept_sum = accept_sum + alive.sum().float()
+        hidden = h
+    return TTTOutput(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count),
+                     accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
+
+
+def ttt_batch(draft, batch: dict, lm_head: nn.Module, **kw) -> TTTOutput:
+    """ttt_forward on a collated batch dict (input_ids, loss_mask, attention_mask, aux_hidden_states, last_hidden)."""
+    return ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch.get("aux_hidden_states"),
+                       batch["last_hidden"], batch.get("attention_mask"), lm_head, **kw)

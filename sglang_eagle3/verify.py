@@ -1,0 +1,104 @@
+"""Lossless verification of a draft tree against the target's distribution.
+
+Greedy: follow, from the root, the child whose token equals the target's argmax; stop where none
+does and emit the target's own argmax there (the bonus token).
+
+Sampling: tree speculative sampling with the draft treated as deterministic (its children are the
+top-k tokens, not samples). At a node with target distribution p, try its children x1, x2, ... in
+order: accept x_i with probability r(x_i) / sum(r), where r starts as p and each rejected child is
+zeroed out of r. If all are rejected, sample the bonus from r / sum(r). This yields exactly p: the
+chance to emit x_i is prod_{j<i}(1 - P(x_j)) * p(x_i) / (1 - sum_{j<i} p(x_j)) = p(x_i), and the
+residual covers the rest. Children are distinct tokens (top-k of the draft), which the proof needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0           # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 = off
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution decoding samples from: logits [..., V] -> probs [..., V] (fp32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = cum - sorted_p >= params.top_p           # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    kids = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            kids[p].append(i)
+    return kids
+
+
+def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """One sequence. Returns (accepted node indices starting with the root, bonus token)."""
+    kids = _children(parents)
+    node, accepted = 0, [0]
+    while True:
+        want = target_argmax[node]
+        nxt = next((c for c in kids[node] if tokens[c] == want), None)
+        if nxt is None:
+            return accepted, want
+        accepted.append(nxt)
+        node = nxt
+
+
+def verify_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
+                    generator: Optional[torch.Generator] = None) -> tuple[list[int], int]:
+    """One sequence. probs [N, V]: target distribution at each node. Returns (accepted nodes, bonus token)."""
+    kids = _children(parents)
+    node, accepted = 0, [0]
+    while True:
+        residual = probs[node].clone()
+        moved = False
+        for c in kids[node]:
+            total = residual.sum()
+            p_c = residual[tokens[c]] / total if total > 0 else residual.new_tensor(0.0)
+            if torch.rand((), generator=generator, device=residual.device) < p_c:
+                accepted.append(c)
+                node, moved = c, True
+                break
+            residual[tokens[c]] = 0.0
+        if not moved:
+            if residual.sum() <= 0:              # every token of p was drafted and rejected: cannot happen
+                residual = probs[node].clone()   # with exact arithmetic; fall back to p itself
+            bonus = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            return accepted, bonus

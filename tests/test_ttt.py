@@ -1,0 +1,202 @@
+"""Training-time test: the one-pass TTT equals literally running the draft autoregressively."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel, sdpa_attend
+from sglang_eagle3.ttt import TTTAttention, metrics_from_counters, target_distribution, ttt_forward
+
+V, VD, H, T, B, K = 40, 28, 32, 9, 2, 4
+DT = torch.float64
+# fp64 everywhere except the draft's RMSNorm, which normalises in fp32 by design: losses agree to ~1e-15,
+# gradients to ~5e-8 of their largest entry. Tolerance: losses rtol 1e-6; gradients 1e-6 * max|grad|.
+RTOL, ATOL = 1e-6, 1e-9
+
+
+def make_setup(num_aux=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
+                       aux_layer_ids=[1, 2, 4][:num_aux] if num_aux > 1 else [5])
+    torch.manual_seed(seed)
+    draft = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3, generator=g) if p.dim() > 1 else p.uniform_(0.5, 1.5, generator=g)
+    draft.set_vocab_mapping(torch.randperm(V, generator=g)[:VD])
+    emb = nn.Embedding(V, H)
+    nn.init.normal_(emb.weight, 0, 1.0, generator=g)
+    draft.set_embedding(emb)
+    lm_head = nn.Linear(H, V, bias=False)
+    nn.init.normal_(lm_head.weight, 0, 1.0, generator=g)
+    draft.to(DT), emb.to(DT), lm_head.to(DT)
+    lm_head.requires_grad_(False)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    loss_mask = torch.ones(B, T, dtype=torch.long)
+    loss_mask[:, :2] = 0                       # a "prompt"
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, T - 2:] = 0                        # row 1 is right-padded
+    loss_mask[1, T - 2:] = 0
+    ids[1, T - 2:] = 0
+    aux = torch.randn(B, T, num_aux * H, generator=g, dtype=DT)
+    last = torch.randn(B, T, H, generator=g, dtype=DT)
+    return draft, lm_head, dict(input_ids=ids, loss_mask=loss_mask, attention_mask=attn, aux=aux, last=last)
+
+
+def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feature_loss_weight=0.0):
+    """Draft chains run one step at a time from every base position t, no cache, explicit masks.
+
+    Step k from base t: hidden inputs [fc(f_0) .. fc(f_t), o^0_t .. o^{k-1}_t], tokens x_1 .. x_{t+k+1},
+    positions 0 .. t+k, plain causal attention; o^k_t is the last output; target = softmax at t+k+1.
+    """
+    ids, lm, am = d["input_ids"], d["loss_mask"], d["attention_mask"]
+    valid = lm.bool() & am.bool()
+    draft_ids = draft.draft_to_target(torch.arange(VD))
+    p_all, top = target_distribution(d["last"], lm_head, draft_ids)
+    g = draft.project(d["last"] if features == "top" else d["aux"])
+    num = [0.0] * ttt_length
+    den = [0.0] * ttt_length
+    correct = [0.0] * ttt_length
+    count = [0.0] * ttt_length
+    accept_sum = accept_count = 0.0
+    feat_num, feat_den = 0.0, 0.0
+    for b in range(B):
+        for t in range(T - 1):
+            chain, alive = [], True
+            for k in range(ttt_length):
+                s = t + k + 1                                    # the predicted token is x_{s+1}; target at s
+                if s >= T:
+                    break
+                hid = torch.cat([g[b, :t + 1]] + [o[None] for o in chain])              # [t+k+1, H]
+                L = hid.shape[0]
+                mask = torch.ones(L, L, dtype=torch.bool).tril()[None, None]           # explicit causal
+                out = draft(ids[b, 1:s + 1][None], hid[None], torch.arange(L)[None], attend=sdpa_attend(mask))
+                o = out[0, -1]
+                chain.append(o)
+                logits = draft.compute_logits(o)
+                ce = -(p_all[b, s] * logits.log_softmax(-1)).sum()
+                m = float(valid[b, s] and bool(draft.t2d[top[b, s]]))
+                num[k] = num[k] + ce * m
+                den[k] += m
+                ok = bool(draft_ids[logits.argmax()] == top[b, s])
+                if valid[b, s]:
+                    correct[k] += ok
+                    count[k] += 1
+                    if k == 0:
+                        accept_count += 1
+                alive = alive and ok and bool(valid[b, s])
+                accept_sum += alive
+                if k == 0 and feature_loss_weight > 0 and valid[b, s]:
+                    feat_num = feat_num + F.smooth_l1_loss(o, d["last"][b, s], reduction="none").mean()
+                    feat_den += 1
+    losses = [n / max(dd, 1.0) for n, dd in zip(num, den)]
+    total = sum(decay ** k * l for k, l in enumerate(losses))
+    if feature_loss_weight > 0:
+        total = total + feature_loss_weight * feat_num / max(feat_den, 1.0)
+    counters = torch.tensor(correct + count + [accept_sum, accept_count], dtype=torch.float64)
+    return total, torch.stack([torch.as_tensor(l, dtype=DT) for l in losses]), counters
+
+
+def efficient(draft, lm_head, d, **kw):
+    return ttt_forward(draft, d["input_ids"], d["loss_mask"], d["aux"], d["last"], d["attention_mask"], lm_head,
+                       ttt_length=K, **kw)
+
+
+def grads(draft, loss):
+    draft.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in draft.named_parameters()}
+
+
+@pytest.mark.parametrize("features,num_aux,fw", [("fused", 3, 0.0), ("top", 1, 0.0), ("fused", 3, 0.5)])
+def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw):
+    draft, lm_head, d = make_setup(num_aux=num_aux)
+    out = efficient(draft, lm_head, d, features=features, feature_loss_weight=fw)
+    g_fast = grads(draft, out.loss)
+    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, features=features, feature_loss_weight=fw)
+    g_ref = grads(draft, ref_loss)
+
+    assert out.loss.dtype == DT
+    torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
+    assert torch.equal(out.counters(), ref_counters)
+    for name in g_ref:
+        scale = g_ref[name].abs().max().item()
+        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+    assert all(g.abs().sum() > 0 for g in g_ref.values())      # every weight is exercised
+    assert (out.step_loss > 0).all() and (ref_counters[K:2 * K] > 0).all()
+    if fw:
+        assert out.feature_loss is not None and out.feature_loss > 0
+
+
+class CausalOverAllSteps(TTTAttention):
+    """Wrong: step k's query sees every earlier step's keys at positions <= t (not only at t)."""
+
+    def __call__(self, q, k, v):
+        B, nH, T, D = q.shape
+        self.keys.append(k), self.values.append(v)
+        ks = torch.cat([kk[:, :, :T] for kk in self.keys], 2).repeat_interleave(nH // k.shape[1], 1)
+        vs = torch.cat([vv[:, :, :T] for vv in self.values], 2).repeat_interleave(nH // k.shape[1], 1)
+        mask = torch.ones(T, T, dtype=torch.bool).tril().repeat(1, len(self.keys))
+        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)
+
+
+class NoCrossStep(TTTAttention):
+    """Wrong: every step attends causally to its own keys only (plain causal attention per step)."""
+
+    def __call__(self, q, k, v):
+        return sdpa_attend(None)(q, k, v)
+
+
+@pytest.mark.parametrize("wrong", [CausalOverAllSteps, NoCrossStep])
+def test_wrong_step_masking_is_detected(monkeypatch, wrong):
+    draft, lm_head, d = make_setup()
+    ref_loss, ref_steps, _ = naive_ttt(draft, lm_head, d)
+    good = efficient(draft, lm_head, d)
+    monkeypatch.setattr("sglang_eagle3.ttt.TTTAttention", wrong)
+    bad = efficient(draft, lm_head, d)
+    torch.testing.assert_close(good.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
+    # step 0 only sees step-0 keys in every variant; later steps must differ by far more than the tolerance
+    assert torch.allclose(bad.step_loss[0], ref_steps[0].detach(), rtol=RTOL, atol=ATOL)
+    assert (bad.step_loss[1:] - ref_steps[1:].detach()).abs().min() > 1e-4
+
+
+def test_metrics_and_masks():
+    draft, lm_head, d = make_setup()
+    out = efficient(draft, lm_head, d)
+    m = metrics_from_counters(out.counters())
+    assert set(m) == {f"acc_{k}" for k in range(K)} | {"accept_length"}
+    assert 1.0 <= m["accept_length"] <= 1.0 + K
+    # positions with loss_mask 0 are never scored: zeroing the mask of step 0's targets kills all counts
+    d2 = dict(d, loss_mask=torch.zeros_like(d["loss_mask"]))
+    out2 = efficient(draft, lm_head, d2)
+    assert out2.step_count.sum() == 0 and out2.loss == 0
+    assert metrics_from_counters(out2.counters())["accept_length"] != metrics_from_counters(out2.counters())["accept_length"]  # nan
+
+
+def test_perfect_draft_accepts_every_step():
+    """A draft whose argmax always equals the target's scores acc 1 and accepts every step the data allows."""
+    draft, lm_head, d = make_setup()
+    draft.set_vocab_mapping(torch.arange(3, 3 + VD))          # draft id 0 = target id 3
+    with torch.no_grad():
+        lm_head.weight.zero_()
+        lm_head.weight[3] = 1.0                                # positive hidden -> target argmax is 3
+        draft.lm_head.weight.zero_()                           # all draft logits tie -> argmax is draft id 0
+    d = dict(d, last=d["last"].abs() + 1.0)
+    out = efficient(draft, lm_head, d)
+    m = metrics_from_counters(out.counters())
+    assert all(m[f"acc_{k}"] == 1.0 for k in range(K))
+    starts = out.accept_count.item()
+    # every chain runs until its data ends: sum of min(K, remaining valid tokens)
+    valid = d["loss_mask"].bool() & d["attention_mask"].bool()
+    expect = sum(min(K, int(valid[b, t + 1:].sum())) for b in range(B) for t in range(T - 1) if valid[b, t + 1])
+    assert out.accept_sum.item() == expect and starts > 0
+
+
+def test_bad_feature_width_is_a_clear_error():
+    draft, lm_head, d = make_setup()
+    with pytest.raises(ValueError, match="fc reads 96"):
+        efficient(draft, lm_head, d, features="top")
