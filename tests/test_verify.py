@@ -1,0 +1,122 @@
+"""Verification: greedy walk, and sampling that keeps the target's distribution exactly."""
+import math
+
+import pytest
+import torch
+
+from conftest import random_draft, tiny_target
+from sglang_eagle3 import engine as engine_mod
+from sglang_eagle3.config import SpecConfig
+from sglang_eagle3.engine import SpeculativeEngine
+from sglang_eagle3.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
+
+
+def test_greedy_walk_takes_longest_matching_path_and_bonus():
+    #        0
+    #      /   \
+    #     1(a)  2(b)
+    #    /  \     \
+    #  3(c) 4(d)   5(e)
+    tokens, parents = [9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2]
+    argmax = [2, 0, 5, 0, 0, 8]        # target wants b after root, then e, then 8
+    assert verify_greedy(tokens, parents, argmax) == ([0, 2, 5], 8)
+    assert verify_greedy(tokens, parents, [7, 0, 0, 0, 0, 0]) == ([0], 7)
+
+
+def test_target_probs_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert p[0, 2:].sum() == 0 and p[0].sum().item() == pytest.approx(1.0)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert (p[0] > 0).tolist() == [True, False, False, False]
+    full = torch.softmax(logits, -1)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    assert p[0, 3] == 0 and p[0, :3].sum().item() == pytest.approx(1.0)
+    assert p[0, 0].item() == pytest.approx((full[0, 0] / full[0, :3].sum()).item(), rel=1e-5)
+
+
+def biased_verify_sampling(tokens, parents, probs, generator=None):
+    """A common bug: rejected children are not removed from the residual before the bonus draw."""
+    kids = [[i for i, p in enumerate(parents) if p == n] for n in range(len(parents))]
+    node, accepted = 0, [0]
+    while True:
+        for c in kids[node]:
+            if torch.rand((), generator=generator) < probs[node][tokens[c]]:
+                accepted.append(c)
+                node = c
+                break
+        else:
+            return accepted, int(torch.multinomial(probs[node], 1, generator=generator))
+
+
+def tv(counts, p):
+    emp = counts / counts.sum()
+    return 0.5 * (emp - p).abs().sum().item()
+
+
+@pytest.mark.parametrize("verify,ok", [(verify_sampling, True), (biased_verify_sampling, False)])
+def test_sampling_walk_preserves_distribution(verify, ok):
+    """First emitted token over 20k trials vs p at the root (TV tolerance 0.02; sampling noise is ~0.007)."""
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    p_root = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
+    probs = torch.stack([p_root] + [torch.softmax(torch.randn(V, generator=g), -1) for _ in range(3)])
+    tokens, parents = [0, 0, 1, 4], [-1, 0, 0, 0]          # root's children draft tokens 0, 1 and 4
+    counts = torch.zeros(V)
+    for _ in range(20000):
+        acc, bonus = verify(tokens, parents, probs, g)
+        counts[tokens[acc[1]] if len(acc) > 1 else bonus] += 1
+    assert (tv(counts, p_root) < 0.02) == ok
+
+
+def exact_marginals(hf, prompt, steps, params):
+    """Exact distribution of each of the first `steps` tokens under the target (enumerating prefixes)."""
+    V = hf.config.vocab_size
+    seqs, weights = torch.tensor([prompt]), torch.ones(1)
+    marginals = []
+    for _ in range(steps):
+        with torch.no_grad():
+            probs = target_probs(hf(seqs).logits[:, -1], params)             # [n, V]
+        joint = weights.view(-1, 1) * probs
+        marginals.append(joint.sum(0))
+        keep = joint.flatten() > 1e-7
+        idx = torch.nonzero(keep).flatten()
+        seqs = torch.cat([seqs[idx // V], (idx % V).view(-1, 1)], 1)
+        weights = joint.flatten()[idx]
+    return marginals
+
+
+def chi2_pvalue(counts, p):
+    """Pearson chi-square p-value (Wilson-Hilferty approximation), cells with expected >= 5."""
+    n = counts.sum()
+    exp = p * n
+    m = exp >= 5
+    stat = (((counts[m] - exp[m]) ** 2) / exp[m]).sum().item() + 0.0
+    k = int(m.sum()) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_engine_sampling_matches_target_distribution(biased, monkeypatch):
+    """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
+    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6)."""
+    tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
+    params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.95, ignore_eos=True)
+    prompt = [3, 7, 1, 12]
+    exact = exact_marginals(hf, prompt, 3, params)
+    if biased:
+        monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), SpecConfig(2, 3, 6))
+    counts = torch.zeros(3, 16)
+    for seed in range(3):
+        outs, _ = eng.generate([" ".join(map(str, prompt))] * 1000, SamplingParams(**{**params.__dict__, "seed": seed}))
+        for o in outs:
+            for i, t in enumerate(o.token_ids):
+                counts[i, t] += 1
+    pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
+    assert pvals[0] > 1e-3                       # first token comes from the prefill, never from the tree
+    if biased:
+        assert min(pvals[1:]) < 1e-6, pvals
+    else:
+        assert min(pvals[1:]) > 1e-3, pvals
