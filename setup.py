@@ -24,6 +24,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["eagle3=sglang_eagle3.cli:main"],
-        "sglang.srt.plugins": [],
+        "sglang.srt.plugins": ["sglang_eagle3 = sglang_eagle3.sglang_plugin:register"],
     },
 )

@@ -8,9 +8,12 @@ import sys
 # Modules that register subcommands; each defines add_cli(subparsers).
 SUBCOMMAND_MODULES = [
     "sglang_eagle3.testbed",
+    "sglang_eagle3.check_draft",
+    "sglang_eagle3.formats.cli",
     "sglang_eagle3.generate_cli",
     "sglang_eagle3.data.cli",
     "sglang_eagle3.regenerate",
+    "sglang_eagle3.trainer.cli",
 ]
 
 

@@ -110,10 +110,9 @@ class Eagle3Config:
         if aux is None:
             raise ConfigError(f"{where}: missing eagle_config.eagle_aux_hidden_state_layer_ids (without it SGLang "
                               "guesses the target layers and a mismatch serves at acceptance length ~1.0)")
-        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and d.get("rope_parameters", {}).get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+        rope_scaling = _rope_scaling(d.get("rope_scaling") or rope_params)
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters"}
         return cls(
@@ -123,7 +122,7 @@ class Eagle3Config:
             vocab_size=need("vocab_size"), draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
             target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
             aux_layer_ids=list(aux), head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=rope_theta, rope_scaling=rope_scaling,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             hidden_act=d.get("hidden_act", "silu"), torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
@@ -155,9 +154,7 @@ class Eagle3Config:
         tc = getattr(target_config, "text_config", target_config)
         rope = getattr(tc, "rope_parameters", None) or {}
         rope_theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)
-        rope_scaling = getattr(tc, "rope_scaling", None)
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        rope_scaling = _rope_scaling(getattr(tc, "rope_scaling", None) or rope)
         return cls(
             hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
             num_attention_heads=tc.num_attention_heads,
@@ -171,6 +168,16 @@ class Eagle3Config:
             max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
             bos_token_id=getattr(tc, "bos_token_id", None), eos_token_id=getattr(tc, "eos_token_id", None),
         )
+
+
+def _rope_scaling(rope: Optional[dict]) -> Optional[dict]:
+    """Legacy `rope_scaling` from either spelling; None for plain RoPE (transformers 5 folds the type and
+    theta into `rope_parameters`)."""
+    if not rope:
+        return None
+    out = {k: v for k, v in rope.items() if k != "rope_theta"}
+    kind = out.get("rope_type", out.get("type", "default"))
+    return None if kind == "default" and len(out) <= 1 else out
 
 
 @dataclass

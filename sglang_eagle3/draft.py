@@ -221,8 +221,7 @@ class Eagle3DraftModel(nn.Module):
                 v = v.to(dtype)
             state[k] = v.contiguous()
         cfg = self.config
-        if dtype is not None:
-            cfg.torch_dtype = str(dtype).replace("torch.", "")
+        cfg.torch_dtype = str(dtype or self.fc.weight.dtype).replace("torch.", "")
         tmp = os.path.join(directory, "model.safetensors.tmp")
         save_file(state, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(directory, "model.safetensors"))
@@ -251,10 +250,10 @@ class Eagle3DraftModel(nn.Module):
         if c.hidden_size != tc.hidden_size:
             raise CheckpointError(f"draft hidden_size={c.hidden_size} but the target's embedding is "
                                   f"[{tc.vocab_size}, {tc.hidden_size}]; the draft reuses the target embedding")
-        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
-        if bad:
+        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers - 1]
+        if bad:   # id i = the input of layer i + 1, so the last valid id is L - 2
             raise CheckpointError(f"draft eagle_aux_hidden_state_layer_ids={c.aux_layer_ids} has ids {bad} outside "
-                                  f"the target's {tc.num_hidden_layers} layers")
+                                  f"0..{tc.num_hidden_layers - 2} for the target's {tc.num_hidden_layers} layers")
         if aux_layer_ids is not None and list(aux_layer_ids) != list(c.aux_layer_ids):
             raise CheckpointError(f"draft was trained on aux layers {c.aux_layer_ids} but the target runtime "
                                   f"captures {list(aux_layer_ids)}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 
 class KVCache:
@@ -82,6 +81,17 @@ def cache_attend(cache: KVCache, layer: int, slot: torch.Tensor, mask: torch.Ten
     def attend(q, k, v):
         cache.k[layer][batch, :, slot] = k.transpose(1, 2)
         cache.v[layer][batch, :, slot] = v.transpose(1, 2)
-        return F.scaled_dot_product_attention(q, cache.k[layer, :, :, :S], cache.v[layer, :, :, :S], attn_mask=mask,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return grouped_attention(q, cache.k[layer, :, :, :S], cache.v[layer, :, :, :S], mask)
     return attend
+
+
+def grouped_attention(q, k, v, mask):
+    """Masked attention with grouped KV heads, as plain matmuls (for a few query tokens this beats the
+    CPU SDPA kernels by a wide margin). q [B, nH, T, D]; k, v [B, nKV, S, D]; mask [B, 1, T, S] bool."""
+    B, nH, T, D = q.shape
+    nKV, S = k.shape[1], k.shape[2]
+    g = nH // nKV
+    scores = torch.matmul(q.reshape(B, nKV, g * T, D), k.transpose(-1, -2)).view(B, nKV, g, T, S)
+    scores = scores.float().mul_(D ** -0.5).masked_fill_(~mask.view(B, 1, 1, T, S), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, nKV, g * T, S)
+    return torch.matmul(probs, v).view(B, nH, T, D)

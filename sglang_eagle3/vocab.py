@@ -9,7 +9,6 @@ These match `Eagle3DraftModel.set_vocab_mapping`. Saved as `draft_vocab.safetens
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Optional
 

@@ -3,4 +3,4 @@ from .build import (DATA_FILE, STATS_FILE, iter_tokenized, load_tokenized, prepa
                     read_stats)
 from .chat import ChatRenderer, ChatTemplateError, Encoded  # noqa: F401
 from .formats import (FORMATS, BadRow, Conversation, DataError, Source, detect_format,  # noqa: F401
-                      normalise, parse_source, read_source)
+                      normalise, parse_source, parse_sources, read_source)

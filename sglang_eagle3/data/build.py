@@ -15,10 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-import numpy as np
-
 from .chat import ChatRenderer, ChatTemplateError
-from .formats import BadRow, Conversation, DataError, Source, read_source
+from .formats import BadRow, DataError, Source, read_source
 
 DATA_FILE, STATS_FILE = "data.arrow", "stats.json"
 LENGTH_POLICIES = ("drop", "truncate")
@@ -61,7 +59,7 @@ def apply_length(ids: list[int], mask: list[int], max_length: Optional[int], pol
     if max_length is None or len(ids) <= max_length:
         return ids, mask, False
     if policy == "drop":
-        raise BadRow(f"longer than --max-length")
+        raise BadRow("longer than --max-length")
     ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
         raise BadRow("no assistant token within --max-length")
@@ -105,6 +103,10 @@ def encode_sources(sources: list[Source], renderer: ChatRenderer, max_length: Op
             st.kept += 1
             st.truncated += truncated
             st.notes.update(item.notes)
+            if enc.fallback:
+                st.notes["answer spans found by search (template not prefix-stable)"] += 1
+            if not enc.exact:
+                st.notes["tokenized piecewise: differs from whole-text tokenization"] += 1
             st.tokens += len(ids)
             st.assistant_tokens += int(sum(mask))
             yield {"input_ids": ids, "loss_mask": mask, "id": item.id, "source": src.name}
@@ -185,8 +187,14 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
         examples = encode_sources(sources, renderer, max_length, length_policy, skip_template_errors, max_rows,
                                   per_source, progress)
         rows = write_examples(os.path.join(tmp, DATA_FILE), examples)
+        if rows == 0:
+            reasons = Counter()
+            for st in per_source.values():
+                reasons.update(st.dropped)
+            raise DataError(f"no usable conversations in {', '.join(s.spec for s in sources)} "
+                            f"(dropped: {dict(reasons.most_common(3))})")
         total = SourceStats()
-        for st in per_source.values():
+        for name, st in per_source.items():
             total.rows += st.rows
             total.kept += st.kept
             total.truncated += st.truncated
@@ -195,8 +203,8 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
             total.notes.update(st.notes)
             for reason, n in st.dropped.items():
                 total.dropped[reason] += n
-                total.first_dropped.setdefault(reason, st.first_dropped[reason])
-        stats = {"rows": rows, "total": total.as_dict(),
+                total.first_dropped.setdefault(reason, f"{name}:{st.first_dropped[reason]}")
+        stats = {"examples": rows, "total": total.as_dict(),
                  "sources": {name: st.as_dict() for name, st in per_source.items()},
                  "target_tokenizer": renderer.name, "target_vocab_size": target_vocab_size or len(tokenizer),
                  "max_length": max_length, "length_policy": length_policy, "merge_system": merge_system,

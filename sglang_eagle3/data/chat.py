@@ -10,7 +10,7 @@ Templates whose renderings are not prefix-stable (system prompt put into the las
 only on the last answer, ...) fall back to finding the rendered content in the full text and extending it with
 the head/tail the local rendering put around it. The full text is tokenized once; a token is a loss token when
 its character span (offset mapping) overlaps an assistant span. Tokenizers without offsets are encoded piece by
-piece instead.
+piece instead (and flagged when that differs from tokenizing the whole text).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Encoded:
     text: str
     spans: list[tuple[int, int]]    # character spans of assistant turns in `text`
     fallback: bool                  # True if a span needed the non-prefix-stable fallback
+    exact: bool = True              # False if piecewise tokens differ from tokenizing the whole text
 
 
 class ChatRenderer:
@@ -85,13 +86,14 @@ class ChatRenderer:
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:   # jinja2 TemplateError from raise_exception(), or a template bug
             roles = "/".join(m["role"] for m in msgs)
-            hint = ""
+            hints = []
             if any(m["role"] == "system" for m in msgs) and not self.merge_system:
-                hint = " (if the template has no system role, pass --merge-system to fold it into the first user turn)"
-            elif any(m["role"] == "tool" for m in msgs):
-                hint = " (if the template has no tool role, pass --tool-role user)"
+                hints.append("--merge-system folds the system prompt into the first user turn")
+            if any(m["role"] == "tool" for m in msgs):
+                hints.append("--tool-role user sends tool results as user turns")
+            hints.append("--skip-template-errors skips such conversations")
             raise ChatTemplateError(f"chat template of {self.name!r} rejected a conversation with roles {roles}: "
-                                    f"{type(e).__name__}: {e}{hint}") from None
+                                    f"{type(e).__name__}: {e} ({'; '.join(hints)})") from None
         if not isinstance(text, str):
             raise ChatTemplateError(f"apply_chat_template of {self.name!r} returned {type(text).__name__}, not text")
         return text
@@ -109,7 +111,9 @@ class ChatRenderer:
             if upto.startswith(pre) and full.startswith(upto) and len(pre) >= cursor:
                 start, end = len(pre), len(pre) + len(upto[len(pre):].rstrip())
             else:
-                start, end = self._locate(full, cursor, pre, upto, m["content"], i)
+                anchor = self._skip_prompts(full, cursor, msgs, i)
+                local = self._local_turn(msgs, i, pre, upto, tools)
+                start, end = self._locate(full, anchor, local, m["content"], i, floor=cursor)
                 fallback = True
             if end <= start:
                 raise ChatTemplateError(f"chat template of {self.name!r} rendered assistant message {i} as nothing")
@@ -117,16 +121,41 @@ class ChatRenderer:
             cursor = end
         return full, spans, fallback
 
-    def _locate(self, full, cursor, pre, upto, content, i) -> tuple[int, int]:
-        for body in (content, content.strip()):
-            at = full.find(body, cursor)
+    def _skip_prompts(self, full, cursor, msgs, i) -> int:
+        """Move past the contents of the non-assistant messages just before assistant message i."""
+        j = i
+        while j > 0 and msgs[j - 1]["role"] != "assistant":
+            j -= 1
+        for m in msgs[j:i]:
+            if m["role"] == "system":   # templates move system prompts around; users and tool results stay put
+                continue
+            at = full.find(m["content"].strip(), cursor)
+            if at >= 0:
+                cursor = at + len(m["content"].strip())
+        return cursor
+
+    def _local_turn(self, msgs, i, pre, upto, tools) -> str:
+        """The answer as the template renders it right after a generation prompt (content + head/tail)."""
+        if upto.startswith(pre):
+            return upto[len(pre):]
+        mini = [{"role": "user", "content": "Hi."}, msgs[i]]
+        try:
+            pre, upto = self.render(mini[:1], tools, True), self.render(mini, tools)
+        except ChatTemplateError:
+            return ""
+        return upto[len(pre):] if upto.startswith(pre) else ""
+
+    def _locate(self, full, cursor, local, content, i, floor) -> tuple[int, int]:
+        """Find the content after `cursor` (else after `floor`, the end of the previous answer)."""
+        for body, frm in ((content, cursor), (content.strip(), cursor), (content, floor), (content.strip(), floor)):
+            at = full.find(body, frm)
             if body and at >= 0:
+                cursor = frm
                 break
         else:
             raise ChatTemplateError(f"chat template of {self.name!r}: cannot find assistant message {i} in the "
                                     "rendered conversation (the template rewrites assistant content)")
         start, end = at, at + len(body)
-        local = upto[len(pre):] if upto.startswith(pre) else ""
         k = local.find(body)
         if k >= 0:
             head, tail = local[:k], local[k + len(body):].rstrip()
@@ -142,9 +171,10 @@ class ChatRenderer:
         text, spans, fallback = self.spans(msgs, tools)
         if self.use_offsets:
             ids, mask = self._encode_offsets(text, spans)
-        else:
-            ids, mask = self._encode_pieces(text, spans)
-        return Encoded(ids, mask, text, spans, fallback)
+            return Encoded(ids, mask, text, spans, fallback)
+        ids, mask = self._encode_pieces(text, spans)
+        exact = ids == list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return Encoded(ids, mask, text, spans, fallback, exact)
 
     def _encode_offsets(self, text, spans):
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

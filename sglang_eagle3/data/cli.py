@@ -47,10 +47,10 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 def run_prepare(args) -> int:
     from .build import prepare_dataset
-    from .formats import parse_source
+    from .formats import parse_sources
     if args.max_length is not None and args.max_length < 2:
         raise DataError(f"--max-length must be >= 2, got {args.max_length}")
-    sources = [parse_source(s, args.format) for s in args.inputs]
+    sources = parse_sources(args.inputs, args.format)
     tok, vocab = load_target_tokenizer(args.target)
     stats = prepare_dataset(sources, tok, args.out, max_length=args.max_length, length_policy=args.length_policy,
                             merge_system=args.merge_system, tool_role=args.tool_role,
@@ -71,9 +71,12 @@ def format_stats(stats: dict) -> str:
         lines.append(f"{name}: rows {st['rows']}, kept {st['kept']}, dropped {st['dropped']}, "
                      f"truncated {st['truncated']}, tokens {st['tokens']}, assistant tokens {st['assistant_tokens']}")
         for reason, d in st["dropped_by_reason"].items():
-            lines.append(f"    dropped {d['rows']:>6}  {reason}  (first: row {d['first_row']})")
+            first = f"row {d['first_row']}" if isinstance(d["first_row"], int) else d["first_row"]
+            lines.append(f"    dropped {d['rows']:>6}  {reason}  (first: {first})")
         for note, n in st["notes"].items():
-            lines.append(f"    fixed   {n:>6}  {note}")
+            lines.append(f"    note    {n:>6}  {note}")
+        if name != "TOTAL" and st["kept"] == 0 and "no assistant turn" in st["dropped_by_reason"]:
+            lines.append("    hint: prompts only? give them answers first with `eagle3 regenerate`")
     return "\n".join(lines)
 
 

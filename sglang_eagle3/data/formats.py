@@ -47,8 +47,9 @@ class BadRow(ValueError):
 class Conversation:
     messages: list[dict]
     tools: Optional[list] = None
-    id: str = ""
-    source: str = ""
+    id: str = ""        # the row's own id field, else its row number
+    source: str = ""    # source name (file name or hub id@split)
+    key: str = ""       # "source:row number", unique across inputs
     notes: list[str] = field(default_factory=list)   # harmless fixes applied while normalising
 
 
@@ -213,9 +214,12 @@ class Source:
     format: Optional[str] = None
     split: str = "train"
     is_hub: bool = False
+    label: Optional[str] = None   # overrides the default name (see parse_sources)
 
     @property
     def name(self) -> str:
+        if self.label:
+            return self.label
         return os.path.basename(self.path) if not self.is_hub else f"{self.path}@{self.split}"
 
 
@@ -233,6 +237,19 @@ def parse_source(spec: str, default_format: Optional[str] = None) -> Source:
     if name.count("/") == 1 and not name.startswith((".", "/")) and not name.endswith((".json", ".jsonl")):
         return Source(spec, name, fmt, split or "train", is_hub=True)
     raise DataError(f"{spec}: no such file (and not an HF dataset id of the form org/name[@split])")
+
+
+def parse_sources(specs: list[str], default_format: Optional[str] = None) -> list[Source]:
+    """parse_source for each spec; sources whose names collide are named by their full path instead."""
+    sources = [parse_source(s, default_format) for s in specs]
+    names = [s.name for s in sources]
+    for s in sources:
+        if names.count(s.name) > 1:
+            s.label = s.path if not s.is_hub else s.spec
+    names = [s.name for s in sources]
+    if len(set(names)) < len(names):
+        raise DataError(f"an input is given twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return sources
 
 
 def _json_rows(path: str) -> Iterator[tuple[int, object]]:
@@ -260,12 +277,15 @@ def _json_rows(path: str) -> Iterator[tuple[int, object]]:
 
 def _dataset_rows(src: Source) -> Iterator[tuple[int, object]]:
     import datasets   # optional dependency (extra "train")
-    if src.is_hub:
-        ds = datasets.load_dataset(src.path, split=src.split)
-    else:
-        ext = os.path.splitext(src.path)[1].lstrip(".")
-        builder = {"jsonl": "json", "pq": "parquet"}.get(ext, ext)
-        ds = datasets.load_dataset(builder, data_files=src.path, split="train")
+    try:
+        if src.is_hub:
+            ds = datasets.load_dataset(src.path, split=src.split)
+        else:
+            ext = os.path.splitext(src.path)[1].lstrip(".")
+            builder = {"jsonl": "json", "pq": "parquet"}.get(ext, ext)
+            ds = datasets.load_dataset(builder, data_files=src.path, split="train")
+    except Exception as e:   # network, unknown id or split, unreadable file: one line, not a traceback
+        raise DataError(f"{src.spec}: cannot load with datasets.load_dataset ({type(e).__name__}: {e})") from None
     yield from enumerate(ds, start=1)
 
 
@@ -295,5 +315,5 @@ def read_source(src: Source, require_assistant: bool = True) -> Iterator[tuple[i
         except BadRow as e:
             yield number, e
             continue
-        conv.id, conv.source = row_id(row, number), src.name
+        conv.id, conv.source, conv.key = row_id(row, number), src.name, f"{src.name}:{number}"
         yield number, conv

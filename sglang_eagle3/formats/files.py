@@ -2,7 +2,8 @@
 
 Weights may be one `model.safetensors`, shards listed in `model.safetensors.index.json`, bare
 `*.safetensors` shards, or the `pytorch_model.bin` the released EAGLE-3 checkpoints ship (read with
-`torch.load(weights_only=True)`: tensors only, no code execution).
+`torch.load(weights_only=True)`: tensors only, no code execution). The target is only ever read
+through its config.json (`load_target_config`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -125,3 +127,34 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class TargetError(ValueError):
+    """A target whose config.json cannot be read."""
+
+
+def load_target_config(target):
+    """target: HF folder, hub id, a transformers config, or (top, text) -> (top config, text config)."""
+    if isinstance(target, tuple):
+        return target
+    if not isinstance(target, (str, os.PathLike)):
+        cfg = target
+    else:
+        target = str(target)
+        try:
+            from transformers import AutoConfig
+            cfg = AutoConfig.from_pretrained(target)
+        except Exception as e:   # unknown model_type, remote code, offline hub id, ...
+            path = os.path.join(target, "config.json")
+            if not os.path.isfile(path):
+                raise TargetError(f"cannot read the target config {target!r}: {type(e).__name__}: {e}") from None
+            try:
+                cfg = SimpleNamespace(**read_config(target))
+            except FolderError as e2:
+                raise TargetError(str(e2)) from None
+    if hasattr(cfg, "get_text_config"):
+        text = cfg.get_text_config()
+    else:
+        text = getattr(cfg, "text_config", None) or cfg
+        text = SimpleNamespace(**text) if isinstance(text, dict) else text
+    return cfg, text

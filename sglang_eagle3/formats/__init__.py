@@ -1,0 +1,216 @@
+"""EAGLE-3 draft checkpoint layouts: detect one, read it into ours, write ours out as another.
+
+    sglang          ours = SGLang's LlamaForCausalLMEagle3 layout (also what SpecForge exports)
+    eagle-official  the released yuhuili/EAGLE3-* layout (architectures LlamaForCausalLM, pytorch_model.bin)
+    speculators     vllm-project/speculators' layout, which vLLM serves directly
+
+Every layout is read into one canonical view (our config.json keys, our tensor names) that
+`check_draft` validates; `import_draft` / `export_draft` convert through it and write atomically,
+validating the new folder before it replaces anything.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import eagle, files, speculators
+from .files import FolderError  # noqa: F401  (re-exported for callers)
+
+FORMATS = ("sglang", "eagle-official", "speculators")
+
+
+class FormatError(ValueError):
+    """A draft that cannot be converted; the message names the file, key or tensor."""
+
+
+def first_architecture(config: dict) -> Optional[str]:
+    archs = config.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
+def detect_format(config: dict) -> Optional[str]:
+    if "speculators_config" in config or "speculators_model_type" in config:
+        return "speculators"
+    arch = first_architecture(config)
+    if arch == eagle.SGLANG_ARCH:
+        return "sglang"
+    if arch == eagle.OFFICIAL_ARCH:
+        return "eagle-official"
+    return None
+
+
+def layout(fmt: str):
+    return speculators if fmt == "speculators" else eagle
+
+
+@dataclass
+class DraftFolder:
+    """A draft folder seen through our names. `names`/`keys` map back to what the files call things."""
+    path: str
+    format: str
+    raw_config: dict
+    config: dict                                  # our config.json schema
+    keys: dict[str, str]                          # our config key -> key in the file
+    tensors: dict[str, torch.Tensor]              # our tensor names
+    names: dict[str, str]                         # our tensor name -> name in the file
+    files: list[str]
+    notes: list[tuple[str, str, str]] = field(default_factory=list)   # (status, check, detail)
+
+
+def read_folder(path: str, fmt: str = "auto") -> DraftFolder:
+    raw = files.read_config(path)
+    if fmt == "auto":
+        fmt = detect_format(raw)
+        if fmt is None:
+            raise FormatError(f"{path}/config.json: architectures={raw.get('architectures')!r} and no "
+                              "speculators_config: not an EAGLE-3 draft layout this tool knows (pass --format)")
+    elif fmt not in FORMATS:
+        raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)} or auto")
+    config, keys, notes = layout(fmt).config_to_ours(raw)
+    state, weight_files = files.read_weights(path)
+    tensors, names, tnotes = layout(fmt).tensors_to_ours(state)
+    return DraftFolder(path, fmt, raw, config, keys, tensors, names, weight_files, notes + tnotes)
+
+
+def _dominant_float_dtype(tensors) -> Optional[str]:
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return str(max(counts, key=counts.get)).replace("torch.", "") if counts else None
+
+
+def _num_layers(text_config) -> int:
+    return int(text_config.num_hidden_layers)
+
+
+def to_ours(folder: DraftFolder, target=None):
+    """-> (Eagle3Config, tensors in our layout, notes). target: (top, text) configs or None."""
+    from ..config import Eagle3Config, default_aux_layer_ids
+    from .files import load_target_config
+
+    notes: list[str] = []
+    if folder.format == "speculators":
+        reason = speculators.unsupported_reason(folder.raw_config)
+        if reason:
+            raise FormatError(f"{folder.path}: {reason}")
+    c = dict(folder.config)
+    if not isinstance(c.get("eagle_config") or {}, dict):
+        raise FormatError(f"{folder.path}/config.json: eagle_config={c['eagle_config']!r} is not an object")
+    eagle_cfg = dict(c.get("eagle_config") or {})
+    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids") is None:
+        if target is None and folder.format == "speculators":
+            verifier = (folder.raw_config.get("speculators_config") or {}).get("verifier") or {}
+            if verifier.get("name_or_path"):
+                try:
+                    target = load_target_config(verifier["name_or_path"])
+                except Exception:
+                    target = None
+        if target is None:
+            raise FormatError(f"{folder.path}: config has no eagle_aux_hidden_state_layer_ids (serving engines "
+                              "then capture their default target layers); pass --target so they can be written "
+                              "explicitly")
+        eagle_cfg["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(_num_layers(target[1]))
+        c["eagle_config"] = eagle_cfg
+        notes.append(f"no aux layer ids in the source: wrote the engines' default "
+                     f"{eagle_cfg['eagle_aux_hidden_state_layer_ids']} for the target's "
+                     f"{_num_layers(target[1])} layers")
+    tensors = dict(folder.tensors)
+    if "torch_dtype" not in c and _dominant_float_dtype(tensors):
+        c["torch_dtype"] = _dominant_float_dtype(tensors)
+    cfg = Eagle3Config.from_dict(c, where=os.path.join(folder.path, "config.json"))
+    if tensors.pop("embed_tokens.weight", None) is not None:
+        notes.append("dropped embed_tokens.weight: SGLang and this toolkit use the target's embedding")
+    _complete_vocab_map(folder, cfg, tensors, notes)
+    return cfg, tensors, notes
+
+
+def _complete_vocab_map(folder: DraftFolder, cfg, tensors, notes) -> None:
+    """d2t int64 and t2d bool, rebuilt when a layout leaves them out (full vocab, or t2d unused)."""
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    if "d2t" not in tensors:
+        if Vd != V:
+            raise FormatError(f"{folder.path}: no d2t tensor but draft_vocab_size={Vd} < vocab_size={V}: "
+                              "the draft->target token map is missing")
+        tensors["d2t"] = torch.zeros(Vd, dtype=torch.int64)
+        notes.append("no d2t: wrote the identity map (draft vocabulary = target vocabulary)")
+    d2t = tensors["d2t"]
+    if d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.shape != (Vd,):
+        raise FormatError(f"{folder.path}: tensor {folder.names.get('d2t', 'd2t')} is {d2t.dtype} "
+                          f"{list(d2t.shape)}, expected int64 [{Vd}]")
+    tensors["d2t"] = d2t.to(torch.int64)
+    if "t2d" not in tensors:
+        ids = torch.arange(Vd) + tensors["d2t"]
+        if ids.min() < 0 or ids.max() >= V:
+            raise FormatError(f"{folder.path}: d2t maps draft ids outside the target vocabulary [0, {V})")
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+        notes.append("no t2d: rebuilt it from d2t")
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+
+
+def _target_view(target):
+    return files.load_target_config(target) if target is not None else None
+
+
+class _Validate:
+    """check_draft on the freshly written (still temporary) folder; keeps the findings for the caller."""
+
+    def __init__(self, target_view):
+        self.target_view, self.findings = target_view, []
+
+    def __call__(self, directory: str) -> None:
+        from ..check_draft import check_draft, format_table
+        self.findings = check_draft(directory, self.target_view)
+        errors = [f for f in self.findings if f.status == "ERROR"]
+        if errors:
+            raise FormatError("the converted draft fails check-draft:\n" + format_table(errors))
+
+
+def import_draft(src: str, out: str, fmt: str = "auto", target=None, overwrite: bool = False):
+    """Convert any supported layout into ours at `out`. Returns (check-draft findings, notes)."""
+    folder = read_folder(src, fmt)
+    tview = _target_view(target)
+    cfg, tensors, notes = to_ours(folder, tview)
+    config, tensors, weights = eagle.from_ours("sglang", cfg.to_dict(), tensors)
+    validate = _Validate(tview)
+    files.write_folder_atomic(out, lambda d: eagle.write(d, config, tensors, weights), overwrite, validate)
+    return validate.findings, [f"read {folder.format} layout from {src}"] + notes
+
+
+def _verifier_name(target) -> Optional[str]:
+    if not isinstance(target, str):
+        return getattr(target, "_name_or_path", None) or getattr(target, "name_or_path", None)
+    return os.path.abspath(target) if os.path.isdir(target) else target
+
+
+def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: int = 3,
+                 overwrite: bool = False):
+    """Write the draft at `src` (any supported layout) as `fmt` at `out`. Returns (findings, notes)."""
+    from ..config import default_aux_layer_ids
+    if fmt not in FORMATS:
+        raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    folder = read_folder(src, "auto")
+    tview = _target_view(target)
+    cfg, tensors, notes = to_ours(folder, tview)
+    if fmt == "speculators":
+        name = _verifier_name(target) if target is not None else None
+        archs = list(getattr(tview[0], "architectures", None) or []) if tview else []
+        if name is None:
+            notes.append("no --target: speculators_config.verifier.name_or_path is null, so `vllm serve <out>` "
+                         "cannot find the target; pass --target")
+        config, tensors, weights = speculators.from_ours(cfg.to_dict(), tensors, name, archs, speculative_tokens)
+    else:
+        config, tensors, weights = eagle.from_ours(fmt, cfg.to_dict(), tensors)
+        if fmt == "eagle-official" and tview is not None:
+            default = default_aux_layer_ids(_num_layers(tview[1]))
+            if list(cfg.aux_layer_ids) != default:
+                notes.append(f"aux layer ids {cfg.aux_layer_ids} differ from {default}: SGLang reads them from "
+                             "eagle_config, but SafeAILab/EAGLE's own runtime always captures its default layers")
+    validate = _Validate(tview)
+    files.write_folder_atomic(out, lambda d: layout(fmt).write(d, config, tensors, weights), overwrite, validate)
+    return validate.findings, notes

@@ -1,0 +1,62 @@
+"""`eagle3 export` and `eagle3 import`: convert draft folders between layouts (atomic, validated)."""
+from __future__ import annotations
+
+import sys
+
+from . import FORMATS, FolderError, FormatError, export_draft, import_draft
+
+
+def _report(out: str, fmt: str, findings, notes) -> None:
+    from ..check_draft import WARN
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for f in findings:
+        if f.status == WARN:
+            print(f"warning: {f.check}: {f.detail}", file=sys.stderr)
+    n_warn = sum(f.status == WARN for f in findings)
+    print(f"wrote {out} ({fmt} layout; check-draft passed with {n_warn} warning(s))")
+
+
+def _run(fn, *args, **kwargs):
+    from .files import TargetError
+    from ..cli import UserError
+    try:
+        return fn(*args, **kwargs)
+    except (FolderError, FormatError, TargetError, FileExistsError) as e:
+        raise UserError(str(e)) from None
+
+
+def _export(args) -> int:
+    findings, notes = _run(export_draft, args.draft, args.format, args.out, target=args.target,
+                           speculative_tokens=args.speculative_tokens, overwrite=args.force)
+    _report(args.out, args.format, findings, notes)
+    return 0
+
+
+def _import(args) -> int:
+    findings, notes = _run(import_draft, args.src, args.out, fmt=args.format, target=args.target,
+                           overwrite=args.force)
+    _report(args.out, "sglang", findings, notes)
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("export", help="write a draft in another layout (sglang, eagle-official, speculators)")
+    p.add_argument("--draft", required=True, help="draft folder (any supported layout)")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--target", default=None, help="target HF folder or hub id: validates the result and fills "
+                                                   "speculators_config.verifier")
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="speculators only: proposal_methods[0].speculative_tokens, vLLM's default draft length")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("import", help="convert a draft (official EAGLE-3, SpecForge, speculators) into ours")
+    p.add_argument("--src", required=True, help="draft folder to convert")
+    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--target", default=None, help="target HF folder or hub id: validates the result and supplies "
+                                                  "default aux layer ids when the source has none")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_import)

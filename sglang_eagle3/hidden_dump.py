@@ -1,0 +1,401 @@
+"""Offline training features: run the target over a tokenized dataset once and keep what the draft needs.
+
+Per token we store the fused aux features (inputs of layers aux_layer_ids[i] + 1, [n_aux * H]), the last
+hidden state *after the target's final norm* ([H]; target logits = lm_head(last_hidden), recomputed at train
+time), the token id and the loss mask. Rows are grouped into shards of `rows_per_shard` consecutive rows:
+
+  OUT/dump_config.json          settings + dataset fingerprint; a resumed run must match it
+  OUT/shard_00000.safetensors   input_ids [N] int32, loss_mask [N] uint8, aux_hidden_states [N, n_aux*H],
+                                last_hidden [N, H], offsets [rows+1] int64 (row r = offsets[r]:offsets[r+1])
+  OUT/shard_00000.json          rows, tokens, bytes, sha256 of the shard (written after the shard)
+  OUT/manifest.json             everything above for all shards; written once every shard exists
+
+Shard i belongs to rank i % world_size, so any number of processes (or torchrun) split the work without
+talking to each other; each file is written to a temporary name and renamed, so a killed run resumes by
+skipping finished shards and redoing the rest. `HiddenStateDump` reads a finished dump and checks every
+shard against the manifest (size, and sha256 unless told otherwise).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .cli import UserError
+
+MANIFEST, CONFIG = "manifest.json", "dump_config.json"
+FORMAT_VERSION = 1
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class DumpError(UserError):
+    """A dump directory that is incomplete, corrupt or made with other settings; the message names the file."""
+
+
+# ---- token rows ------------------------------------------------------------------------------
+def load_token_rows(path: str, max_rows: Optional[int] = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids [n] int64, loss_mask [n] uint8) per row from a `prepare-data` dir or a jsonl of
+    {"input_ids": [...], "loss_mask": [...]}."""
+    rows = []
+    if os.path.isdir(path):
+        from .data.build import iter_tokenized
+        for ids, mask in iter_tokenized(path):
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+            rows.append((ids.astype(np.int64), mask.astype(np.uint8)))
+    elif os.path.isfile(path):
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if max_rows is not None and len(rows) >= max_rows:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    ids = np.asarray(row["input_ids"], dtype=np.int64)
+                    mask = np.asarray(row.get("loss_mask", [1] * len(ids)), dtype=np.uint8)
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                    raise DumpError(f"{path}: line {number}: not a row of input_ids/loss_mask ({e!r})") from None
+                if ids.ndim != 1 or ids.shape != mask.shape or ids.size < 2:
+                    raise DumpError(f"{path}: line {number}: input_ids ({ids.size}) and loss_mask ({mask.size}) "
+                                    "must be equal-length lists of >= 2 tokens")
+                rows.append((ids, mask))
+    else:
+        raise DumpError(f"{path}: no such dataset (a `prepare-data` directory or a .jsonl of input_ids/loss_mask)")
+    if not rows:
+        raise DumpError(f"{path}: no rows")
+    return rows
+
+
+def rows_fingerprint(rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> str:
+    h = hashlib.sha256()
+    for ids, mask in rows:
+        h.update(np.int64(ids.size).tobytes())
+        h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+# ---- layout ----------------------------------------------------------------------------------
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.safetensors"
+
+
+def shard_ranges(num_rows: int, rows_per_shard: int) -> list[tuple[int, int]]:
+    return [(s, min(s + rows_per_shard, num_rows)) for s in range(0, num_rows, rows_per_shard)]
+
+
+def shards_of_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
+    if not 0 <= rank < world_size:
+        raise DumpError(f"--rank {rank} must be in [0, --world-size {world_size})")
+    return list(range(rank, num_shards, world_size))
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, dtype: torch.dtype) -> int:
+    return (num_aux + 1) * hidden_size * torch.finfo(dtype).bits // 8 + 4 + 1
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: not valid JSON ({e})") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+
+
+def disk_estimate(num_tokens: int, hidden_size: int, num_aux: int, dtype: torch.dtype, out_dir: str) -> tuple[int, int]:
+    """(estimated bytes of the whole dump, free bytes where it goes)."""
+    need = num_tokens * bytes_per_token(hidden_size, num_aux, dtype)
+    probe = out_dir
+    while not os.path.exists(probe):
+        probe = os.path.dirname(os.path.abspath(probe))
+    return need, shutil.disk_usage(probe).free
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped longest-first so that len(batch) * max_len <= batch_tokens (at least one row each)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.no_grad()
+def compute_shard(target, rows, dtype: torch.dtype, batch_tokens: int, bar=None) -> dict[str, torch.Tensor]:
+    """Target features for a list of rows -> the shard's tensors (rows kept in order)."""
+    dev = target.device
+    aux_out: list = [None] * len(rows)
+    last_out: list = [None] * len(rows)
+    for idx in length_batches([len(r[0]) for r in rows], batch_tokens):
+        T = len(rows[idx[0]][0])
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        am = torch.zeros(len(idx), T, dtype=torch.long)
+        for j, i in enumerate(idx):
+            n = len(rows[i][0])
+            ids[j, :n] = torch.from_numpy(rows[i][0])
+            am[j, :n] = 1
+        aux, last = target.features(ids.to(dev), am.to(dev))            # [b, T, n_aux*H], [b, T, H]
+        for j, i in enumerate(idx):
+            n = len(rows[i][0])
+            aux_out[i] = aux[j, :n].to("cpu", dtype)
+            last_out[i] = last[j, :n].to("cpu", dtype)
+        if bar is not None:
+            bar.update(int(am.sum()))
+    lengths = torch.tensor([0] + [len(r[0]) for r in rows])
+    return {
+        "input_ids": torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.int32)),
+        "loss_mask": torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.uint8)),
+        "aux_hidden_states": torch.cat(aux_out).contiguous(),
+        "last_hidden": torch.cat(last_out).contiguous(),
+        "offsets": lengths.cumsum(0).long(),
+    }
+
+
+def write_shard(out_dir: str, i: int, tensors: dict, row_range: tuple[int, int]) -> dict:
+    """Atomically write shard i and then its sidecar; returns the sidecar."""
+    from safetensors.torch import save_file
+    path = os.path.join(out_dir, shard_name(i))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(tensors, tmp, metadata={"format": "pt"})     # one key: byte-identical files for equal data
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    info = {"file": shard_name(i), "row_start": row_range[0], "rows": row_range[1] - row_range[0],
+            "tokens": int(tensors["input_ids"].numel()), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+    _write_json(path[:-len(".safetensors")] + ".json", info)
+    return info
+
+
+def _shard_done(out_dir: str, i: int) -> Optional[dict]:
+    path = os.path.join(out_dir, shard_name(i))
+    side = path[:-len(".safetensors")] + ".json"
+    if not (os.path.isfile(path) and os.path.isfile(side)):
+        return None
+    try:
+        info = _read_json(side)
+    except DumpError:
+        return None
+    return info if info.get("bytes") == os.path.getsize(path) else None
+
+
+def dump_settings(target, rows, dtype: torch.dtype, rows_per_shard: int, source: str) -> dict:
+    cfg = target.hf_config
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": os.path.abspath(source) if os.path.exists(source) else source,
+        "rows": len(rows), "tokens": int(sum(len(r[0]) for r in rows)), "rows_sha256": rows_fingerprint(rows),
+        "rows_per_shard": rows_per_shard, "dtype": str(dtype).replace("torch.", ""),
+        "target": {"name_or_path": getattr(cfg, "_name_or_path", None) or getattr(cfg, "name_or_path", None),
+                   "model_type": cfg.model_type, "num_layers": target.num_layers,
+                   "hidden_size": target.hidden_size, "vocab_size": target.vocab_size},
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "last_hidden": "after_final_norm",
+    }
+
+
+def check_settings(out_dir: str, settings: dict) -> None:
+    """Write dump_config.json, or make sure an existing one (a run being resumed) has the same settings."""
+    path = os.path.join(out_dir, CONFIG)
+    if os.path.isfile(path):
+        old = _read_json(path)
+        diff = [k for k in settings if k != "source" and old.get(k) != settings[k]]
+        if diff:
+            raise DumpError(f"{path}: this dump was started with other settings ({', '.join(diff)}: "
+                            f"{[old.get(k) for k in diff]} vs {[settings[k] for k in diff]}); "
+                            "use another --out or --overwrite")
+    else:
+        _write_json(path, settings)
+
+
+def finalize(out_dir: str) -> Optional[dict]:
+    """Write manifest.json if every shard is done; returns it (None while shards are missing)."""
+    settings = _read_json(os.path.join(out_dir, CONFIG))
+    ranges = shard_ranges(settings["rows"], settings["rows_per_shard"])
+    shards = []
+    for i in range(len(ranges)):
+        info = _shard_done(out_dir, i)
+        if info is None:
+            return None
+        shards.append(info)
+    manifest = {**settings, "num_aux": len(settings["aux_layer_ids"]), "shards": shards}
+    if sum(s["tokens"] for s in shards) != settings["tokens"]:
+        raise DumpError(f"{out_dir}: shards hold {sum(s['tokens'] for s in shards)} tokens, "
+                        f"the dataset has {settings['tokens']}")
+    _write_json(os.path.join(out_dir, MANIFEST), manifest)
+    return manifest
+
+
+def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per_shard: int = 256,
+                       batch_tokens: int = 8192, dtype: torch.dtype = torch.bfloat16, rank: int = 0,
+                       world_size: int = 1, overwrite: bool = False, check_disk: bool = True,
+                       progress: bool = True, log=print) -> Optional[dict]:
+    """Dump this rank's shards (skipping finished ones); returns the manifest if the dump is now complete."""
+    from tqdm import tqdm
+    if rows_per_shard < 1 or batch_tokens < 1:
+        raise DumpError("--rows-per-shard and --batch-tokens must be >= 1")
+    if overwrite and world_size > 1:
+        raise DumpError("--overwrite with --world-size > 1 would race: delete the --out directory first")
+    if overwrite and os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    settings = dump_settings(target, rows, dtype, rows_per_shard, source)
+    ranges = shard_ranges(len(rows), rows_per_shard)
+    mine = shards_of_rank(len(ranges), rank, world_size)
+    num_aux = len(target.aux_layer_ids)
+    need, free = disk_estimate(settings["tokens"], target.hidden_size, num_aux, dtype, out_dir)
+    my_tokens = sum(len(rows[r][0]) for i in mine for r in range(*ranges[i]))
+    log(f"dump: {len(rows)} rows, {settings['tokens']:,} tokens x ({num_aux}+1) x {target.hidden_size} "
+        f"{settings['dtype']} -> ~{human_bytes(need)} in {len(ranges)} shards ({human_bytes(free)} free); "
+        f"rank {rank}/{world_size}: {len(mine)} shards, {my_tokens:,} tokens")
+    if check_disk and need > free:
+        raise DumpError(f"{out_dir}: the dump needs ~{human_bytes(need)} but only {human_bytes(free)} are free "
+                        "(pass --no-disk-check to try anyway)")
+    check_settings(out_dir, settings)
+    for name in os.listdir(out_dir):                  # leftovers of this rank's killed writes
+        if ".tmp-" in name and name.startswith("shard_") and int(name[6:11]) % world_size == rank:
+            os.remove(os.path.join(out_dir, name))
+    todo = [i for i in mine if _shard_done(out_dir, i) is None]
+    if len(todo) < len(mine):
+        log(f"dump: rank {rank}: {len(mine) - len(todo)} shards already done, {len(todo)} to go")
+    todo_tokens = sum(len(rows[r][0]) for i in todo for r in range(*ranges[i]))
+    with tqdm(total=todo_tokens, unit=" tok", unit_scale=True, desc=f"dump rank {rank}", position=rank,
+              disable=not progress) as bar:
+        for i in todo:
+            s, e = ranges[i]
+            write_shard(out_dir, i, compute_shard(target, rows[s:e], dtype, batch_tokens, bar), (s, e))
+    manifest = finalize(out_dir)
+    if manifest is None:
+        log(f"dump: rank {rank} done; waiting for other ranks' shards before manifest.json is written")
+    return manifest
+
+
+# ---- reading ---------------------------------------------------------------------------------
+class HiddenStateDump:
+    """A finished dump: len(dump) rows; dump[i] -> {input_ids [n], loss_mask [n], aux_hidden_states [n, n_aux*H],
+    last_hidden [n, H]} read lazily from memory-mapped shards."""
+
+    def __init__(self, path: str, verify: str = "sha256", progress: bool = False):
+        if verify not in ("sha256", "size", "none"):
+            raise ValueError(f"verify must be sha256, size or none, got {verify!r}")
+        self.path = path
+        mpath = os.path.join(path, MANIFEST)
+        if not os.path.isfile(mpath):
+            hint = " (the dump is unfinished: rerun dump_hidden_states.py to resume it)" \
+                if os.path.isfile(os.path.join(path, CONFIG)) else ""
+            raise DumpError(f"{path}: no {MANIFEST}{hint}")
+        self.manifest = m = _read_json(mpath)
+        if m.get("format_version") != FORMAT_VERSION:
+            raise DumpError(f"{mpath}: format_version {m.get('format_version')}, this code reads {FORMAT_VERSION}")
+        self.aux_layer_ids = list(m["aux_layer_ids"])
+        self.hidden_size = int(m["target"]["hidden_size"])
+        self.vocab_size = int(m["target"]["vocab_size"])
+        from tqdm import tqdm
+        for s in tqdm(m["shards"], desc="verify dump", disable=not progress or verify != "sha256"):
+            self._verify(s, verify)
+        self._starts = np.array([s["row_start"] for s in m["shards"]] + [m["rows"]], dtype=np.int64)
+        self._handles: dict[int, object] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+
+    def _verify(self, s: dict, verify: str) -> None:
+        f = os.path.join(self.path, s["file"])
+        if not os.path.isfile(f):
+            raise DumpError(f"{f}: shard listed in {MANIFEST} is missing")
+        if verify == "none":
+            return
+        if os.path.getsize(f) != s["bytes"]:
+            raise DumpError(f"{f}: {os.path.getsize(f)} bytes, {MANIFEST} says {s['bytes']} (truncated or replaced)")
+        if verify == "sha256" and file_sha256(f) != s["sha256"]:
+            raise DumpError(f"{f}: sha256 does not match {MANIFEST} (corrupt shard; delete it and its .json, "
+                            "then rerun the dump to redo it)")
+
+    def __len__(self) -> int:
+        return int(self.manifest["rows"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["tokens"])
+
+    def _open(self, k: int):
+        if k not in self._handles:
+            from safetensors import safe_open
+            s = self.manifest["shards"][k]
+            f = os.path.join(self.path, s["file"])
+            h = safe_open(f, framework="pt")
+            off = h.get_tensor("offsets").numpy()
+            H, A = self.hidden_size, len(self.aux_layer_ids)
+            want = {"offsets": (s["rows"] + 1,), "input_ids": (s["tokens"],), "loss_mask": (s["tokens"],),
+                    "aux_hidden_states": (s["tokens"], A * H), "last_hidden": (s["tokens"], H)}
+            for name, shape in want.items():
+                got = tuple(h.get_slice(name).get_shape()) if name in h.keys() else None
+                if got != shape:
+                    raise DumpError(f"{f}: tensor {name} has shape {got}, {MANIFEST} implies {shape}")
+            self._handles[k], self._offsets[k] = h, off
+        return self._handles[k], self._offsets[k]
+
+    def _locate(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for a dump of {len(self)} rows")
+        k = int(np.searchsorted(self._starts, i, side="right") - 1)
+        h, off = self._open(k)
+        r = i - int(self._starts[k])
+        return h, int(off[r]), int(off[r + 1])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.read(i)
+
+    def read(self, i: int, aux: bool = True) -> dict[str, torch.Tensor]:
+        """Row i; aux=False skips the (largest) aux features, e.g. for features="top"."""
+        h, a, b = self._locate(i)
+        row = {"input_ids": h.get_slice("input_ids")[a:b].long(), "loss_mask": h.get_slice("loss_mask")[a:b].long(),
+               "last_hidden": h.get_slice("last_hidden")[a:b]}
+        if aux:
+            row["aux_hidden_states"] = h.get_slice("aux_hidden_states")[a:b]
+        return row
+
+    def token_row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, loss_mask) of row i without reading features."""
+        h, a, b = self._locate(i)
+        return h.get_slice("input_ids")[a:b].numpy(), h.get_slice("loss_mask")[a:b].numpy()
+
+    def __getstate__(self):                       # picklable for DataLoader workers: reopen lazily
+        d = dict(self.__dict__)
+        d["_handles"], d["_offsets"] = {}, {}
+        return d
+

@@ -1,0 +1,274 @@
+"""Regenerate chat data with the target's own answers (the draft should learn the target, not the dataset).
+
+Every conversation keeps its system prompt and user turns; answer k is generated from the regenerated history
+(system, user 1, answer 1, ..., user k), batched across conversations turn by turn. Conversations with tool
+turns are skipped (their tool results depend on the original calls). Generators:
+  EngineGenerator   the in-process SpeculativeEngine (vanilla or with an EAGLE-3 draft)
+  OpenAIGenerator   any OpenAI-compatible server (SGLang, vLLM, ...), requests in parallel threads
+Output: jsonl rows {"key", "id", "source", "messages": [{"role", "content"}]} (loadable by prepare-data, format
+"messages"). Rows are appended to OUT.partial with fsync after every batch; a rerun skips the keys already there
+(a torn last line from a kill is cut off). When every row is done OUT.partial is renamed to OUT.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from .cli import UserError
+from .data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[dict]]) -> list:
+        """Chat prompts -> answers (str, or objects with .text), one per prompt, same order."""
+
+
+# ---- generators ------------------------------------------------------------------------------
+class EngineGenerator:
+    def __init__(self, engine, max_new_tokens: int = 512, temperature: float = 0.0, batch_size: int = 8,
+                 seed: Optional[int] = None):
+        self.engine, self.batch_size, self.calls = engine, batch_size, 0
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+
+    def generate(self, prompts):
+        from .verify import SamplingParams
+        seed = None if self.seed is None else self.seed + self.calls   # a fresh random stream per call
+        self.calls += 1
+        params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=seed)
+        outputs, _ = self.engine.generate(prompts, params, batch_size=self.batch_size)
+        return [o.text for o in outputs]
+
+
+class OpenAIGenerator:
+    def __init__(self, base_url: str, model: Optional[str] = None, api_key: str = "EMPTY",
+                 max_new_tokens: int = 512, temperature: float = 0.0, concurrency: int = 16,
+                 timeout: float = 600.0, max_retries: int = 3):
+        from openai import OpenAI
+        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.model = model or self.client.models.list().data[0].id
+        self.max_new_tokens, self.temperature, self.concurrency = max_new_tokens, temperature, concurrency
+
+    def _one(self, messages):
+        r = self.client.chat.completions.create(model=self.model, messages=messages,
+                                                max_tokens=self.max_new_tokens, temperature=self.temperature)
+        return r.choices[0].message.content or ""
+
+    def generate(self, prompts):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(self._one, prompts))
+
+
+# ---- one batch of conversations --------------------------------------------------------------
+def split_prompts(conv: Conversation) -> tuple[list[dict], list[str]]:
+    """(system messages, user turns); raises BadRow for conversations that cannot be regenerated."""
+    if any(m["role"] == "tool" for m in conv.messages):
+        raise BadRow("tool turns cannot be regenerated")
+    system = [m for m in conv.messages if m["role"] == "system"][:1]
+    users = [m["content"] for m in conv.messages if m["role"] == "user"]
+    if not users:
+        raise BadRow("no user turn")
+    return system, users
+
+
+def _text(answer) -> str:
+    return answer if isinstance(answer, str) else getattr(answer, "text", "")
+
+
+def regenerate_batch(convs: list[Conversation], generator: Generator, max_turns: Optional[int] = None,
+                     stats: Optional["RegenStats"] = None):
+    """-> one message list per conversation: system + (user, regenerated answer) pairs. A conversation stops at
+    its first empty answer (that user turn is dropped)."""
+    parts = [split_prompts(c) for c in convs]
+    history = [list(system) for system, _ in parts]
+    active = list(range(len(convs)))
+    k = 0
+    while active and (max_turns is None or k < max_turns):
+        active = [i for i in active if k < len(parts[i][1])]
+        if not active:
+            break
+        prompts = [history[i] + [{"role": "user", "content": parts[i][1][k]}] for i in active]
+        answers = generator.generate(prompts)
+        if len(answers) != len(prompts):
+            raise RuntimeError(f"generator returned {len(answers)} answers for {len(prompts)} prompts")
+        still = []
+        for i, prompt, ans in zip(active, prompts, answers):
+            text = _text(ans)
+            if text.strip():
+                history[i] = prompt + [{"role": "assistant", "content": text}]
+                still.append(i)
+            elif stats is not None:
+                stats.empty_answers += 1
+        active, k = still, k + 1
+    return history
+
+
+# ---- resumable output ------------------------------------------------------------------------
+def _scan_partial(path: str) -> set[str]:
+    """Keys already written; cuts a torn last line (a kill mid-write) off the file."""
+    done, good = set(), 0
+    if not os.path.exists(path):
+        return done
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break   # no newline: torn write
+        try:
+            key = json.loads(data[pos:nl])["key"]
+        except (ValueError, KeyError, TypeError):
+            if data.find(b"\n", nl + 1) >= 0:
+                raise UserError(f"{path}: line at byte {pos} is corrupt; delete the file to start over") from None
+            break
+        done.add(key)
+        pos = good = nl + 1
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def _append(f, rows: list[dict]) -> None:
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+@dataclass
+class RegenStats:
+    rows: int = 0
+    written: int = 0
+    already_done: int = 0
+    skipped: dict = field(default_factory=dict)
+    empty_answers: int = 0
+    turns_dropped: int = 0    # user turns without an answer (an empty answer ends its conversation)
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+def load_conversations(inputs: list[str], fmt: Optional[str] = None, max_rows: Optional[int] = None,
+                       stats: Optional[RegenStats] = None) -> list[Conversation]:
+    stats = stats or RegenStats()
+    convs = []
+    for src in parse_sources(inputs, fmt):
+        n = 0
+        for number, item in read_source(src, require_assistant=False):
+            if max_rows is not None and n >= max_rows:
+                break
+            n += 1
+            stats.rows += 1
+            if isinstance(item, Conversation):
+                try:
+                    split_prompts(item)
+                except BadRow as e:
+                    item = e
+            if isinstance(item, BadRow):
+                stats.skipped[str(item)] = stats.skipped.get(str(item), 0) + 1
+                continue
+            convs.append(item)
+    return convs
+
+
+def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_size: int = 16,
+               max_turns: Optional[int] = None, overwrite: bool = False, progress: bool = True,
+               stats: Optional[RegenStats] = None) -> RegenStats:
+    """Generate answers for every conversation not yet in OUT.partial; rename to OUT when all are done."""
+    from tqdm import tqdm
+    stats = stats or RegenStats()
+    if os.path.exists(out):
+        if not overwrite:
+            stats.already_done = len(convs)
+            return stats
+        os.remove(out)
+    partial = out + ".partial"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(partial, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"{partial} is being written by another run") from None
+        done = _scan_partial(partial)
+        todo = [c for c in convs if c.key not in done]
+        stats.already_done = len(convs) - len(todo)
+        with open(partial, "a", encoding="utf-8") as f, \
+                tqdm(total=len(todo), desc="regenerating", unit=" conv", disable=not progress) as bar:
+            for i in range(0, len(todo), batch_size):
+                batch = todo[i:i + batch_size]
+                histories = regenerate_batch(batch, generator, max_turns, stats)
+                rows = []
+                for conv, msgs in zip(batch, histories):
+                    wanted = min(len(split_prompts(conv)[1]), max_turns or 10**9)
+                    stats.turns_dropped += wanted - sum(m["role"] == "assistant" for m in msgs)
+                    rows.append({"key": conv.key, "id": conv.id, "source": conv.source, "messages": msgs})
+                _append(f, rows)
+                stats.written += len(rows)
+                bar.update(len(batch))
+        os.replace(partial, out)
+    return stats
+
+
+# ---- command line ----------------------------------------------------------------------------
+def run(args) -> int:
+    if (args.server is None) == (args.target is None):
+        raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
+    for name in ("batch_size", "max_new_tokens", "concurrency"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if os.path.exists(args.out) and not args.overwrite:
+        print(f"{args.out} is already complete; pass --overwrite to regenerate it")
+        return 0
+    stats = RegenStats()
+    convs = load_conversations(args.inputs, args.format, args.max_rows, stats)
+    if args.server:
+        from openai import OpenAIError
+        try:
+            gen = OpenAIGenerator(args.server, args.model, args.api_key, args.max_new_tokens, args.temperature,
+                                  args.concurrency, args.request_timeout, args.max_retries)
+            regenerate(convs, gen, args.out, args.batch_size, args.max_turns, args.overwrite, not args.quiet, stats)
+        except OpenAIError as e:
+            raise UserError(f"--server {args.server}: {type(e).__name__}: {e}; finished rows are kept in "
+                            f"{args.out}.partial, rerun to resume") from None
+    else:
+        from .config import SpecConfig
+        from .generate_cli import load_engine
+        spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens)
+        gen = EngineGenerator(load_engine(args.target, args.draft or "none", spec, args.dtype, args.device),
+                              args.max_new_tokens, args.temperature, args.batch_size, args.seed)
+        regenerate(convs, gen, args.out, args.batch_size, args.max_turns, args.overwrite, not args.quiet, stats)
+    print(json.dumps(stats.as_dict(), indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("regenerate", help="replace the answers of chat data with the target's own (resumable)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="chat data files or HF ids (as in prepare-data)")
+    p.add_argument("--out", required=True, help="output .jsonl (OUT.partial while running; rerun to resume)")
+    p.add_argument("--format", choices=FORMATS, default=None, help="format of inputs without :FORMAT")
+    p.add_argument("--target", default=None, help="target folder for the in-process engine ('testbed' = SmolLM2)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder to speed the engine up (default: none)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--server", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1")
+    p.add_argument("--model", default=None, help="model name on the server (default: its first model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+    p.add_argument("--concurrency", type=int, default=16, help="parallel requests to the server")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--max-retries", type=int, default=3, help="retries per failed request (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per batch (and per fsync)")
+    p.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many turns per conversation")
+    p.add_argument("--max-rows", type=int, default=None, help="read at most this many rows per input")
+    p.add_argument("--overwrite", action="store_true", help="redo a finished OUT")
+    p.add_argument("--quiet", action="store_true")
+    from .generate_cli import add_spec_args
+    add_spec_args(p)
+    p.set_defaults(func=run)

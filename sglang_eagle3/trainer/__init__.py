@@ -1,0 +1,1 @@
+"""EAGLE-3 draft training: data, loop (DeepSpeed ZeRO or DDP), evaluation, checkpoints, export."""

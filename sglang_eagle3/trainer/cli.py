@@ -1,0 +1,168 @@
+"""`eagle3 dump-hidden-states` and `eagle3 train` (also train/dump_hidden_states.py and train/train_eagle3.py)."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+
+from ..hidden_dump import DTYPES, MANIFEST, DumpError, dump_hidden_states, human_bytes, load_token_rows
+
+
+def add_dump_args(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder (or id)")
+    p.add_argument("--data", required=True, help="`prepare-data` directory or .jsonl of {input_ids, loss_mask}")
+    p.add_argument("--out", required=True, help="dump directory (resumed if it holds a partial dump)")
+    p.add_argument("--aux-layer-ids", default=None,
+                   help="comma-separated target layer ids (SGLang convention; default 1,L//2-1,L-4)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="stored feature dtype")
+    p.add_argument("--target-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="dtype the target runs in (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:N")
+    p.add_argument("--rows-per-shard", type=int, default=256)
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per target forward")
+    p.add_argument("--max-rows", type=int, default=None, help="dump only the first N rows")
+    p.add_argument("--rank", type=int, default=None, help="this process's rank (default $RANK or 0)")
+    p.add_argument("--world-size", type=int, default=None, help="number of processes (default $WORLD_SIZE or 1)")
+    p.add_argument("--overwrite", action="store_true", help="delete --out first (single process only)")
+    p.add_argument("--no-disk-check", action="store_true", help="start even if the estimate exceeds free space")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise DumpError(f"--aux-layer-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run_dump(args) -> int:
+    from ..target import TargetModel
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(args.device)
+    tdtype = DTYPES[args.target_dtype] if args.target_dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rows = load_token_rows(args.data, args.max_rows)
+    target = TargetModel.from_pretrained(args.target, dtype=tdtype, device=device,
+                                         aux_layer_ids=parse_layer_ids(args.aux_layer_ids))
+    bad = [i for i, (ids, _) in enumerate(rows) if ids.max() >= target.vocab_size]
+    if bad:
+        raise DumpError(f"{args.data}: row {bad[0]} has token id {int(rows[bad[0]][0].max())} >= the target's "
+                        f"vocab_size {target.vocab_size} (tokenized for another target?)")
+    manifest = dump_hidden_states(target, rows, args.out, source=args.data, rows_per_shard=args.rows_per_shard,
+                                  batch_tokens=args.batch_tokens, dtype=DTYPES[args.dtype], rank=rank,
+                                  world_size=world, overwrite=args.overwrite, check_disk=not args.no_disk_check,
+                                  progress=not args.quiet)
+    if manifest is not None:
+        size = sum(s["bytes"] for s in manifest["shards"])
+        print(f"dump: complete: {manifest['rows']} rows, {manifest['tokens']:,} tokens, "
+              f"{len(manifest['shards'])} shards, {human_bytes(size)} -> {os.path.join(args.out, MANIFEST)}")
+    return 0
+
+
+
+
+# ---- training ----------------------------------------------------------------------------------
+def add_train_args(p) -> None:
+    g = p.add_argument_group("data and model")
+    g.add_argument("--target", required=True, help="target HF folder: its embedding and lm_head (frozen) are used; "
+                   "the whole target runs only in online mode")
+    g.add_argument("--data", required=True, help="a hidden-state dump (offline) or token rows: a prepare-data dir "
+                   "or .jsonl of {input_ids, loss_mask} (online: the target computes features on the fly)")
+    g.add_argument("--out", required=True, help="output dir: checkpoints/, metrics.jsonl, tensorboard/, draft/")
+    g.add_argument("--eval-data", default=None, help="held-out data of the same kind (default: --eval-rows of --data)")
+    g.add_argument("--eval-rows", type=int, default=64, help="rows of --data held out for eval (default 64)")
+    g.add_argument("--draft-vocab", default=None, help="draft_vocab.safetensors from `eagle3 build-vocab`")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="build a draft vocab of this size from the training rows (default: the full target vocab)")
+    g.add_argument("--draft-config", default=None, help="draft config.json to take the shape from")
+    g.add_argument("--aux-layer-ids", default=None, help="online mode: comma-separated target layer ids")
+    g.add_argument("--features", choices=["fused", "top"], default="fused",
+                   help="fused: EAGLE-3 low/mid/high features; top: only the last hidden state (ablation)")
+    g.add_argument("--feature-loss-weight", type=float, default=0.0,
+                   help="add w * smooth-L1(step-0 draft hidden, target last hidden) (EAGLE/HASS-style ablation)")
+    g = p.add_argument_group("training-time test")
+    g.add_argument("--ttt-length", type=int, default=7, help="unrolled draft steps (default 7)")
+    g.add_argument("--step-decay", type=float, default=0.8, help="weight of step k is decay^k (default 0.8)")
+    g.add_argument("--max-length", type=int, default=2048, help="tokens per row (longer rows are truncated)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="rows per rank per forward")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--lr", type=float, default=5e-5)
+    g.add_argument("--warmup-ratio", type=float, default=0.02, help="linear warm-up share of the steps")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=0.5)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("runtime")
+    g.add_argument("--backend", choices=["auto", "deepspeed", "ddp"], default="auto",
+                   help="auto: DeepSpeed if importable, else PyTorch DDP")
+    g.add_argument("--deepspeed-config", default=None, help="train/ds_zero{1,2,3}.json (ZeRO settings)")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage (overrides the config file; default 2)")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 on GPU, float32 on CPU")
+    g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu")
+    g.add_argument("--eval-every", type=int, default=500)
+    g.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--keep-checkpoints", type=int, default=2)
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
+    g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
+    g.add_argument("--no-tensorboard", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+
+
+def train_config(args):
+    from .loop import TrainConfig
+    for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
+        if getattr(args, name) < 1:
+            raise DumpError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return TrainConfig(
+        target=args.target, data=args.data, out=args.out, eval_data=args.eval_data, eval_rows=args.eval_rows,
+        draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
+        aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features,
+        feature_loss_weight=args.feature_loss_weight, ttt_length=args.ttt_length, step_decay=args.step_decay,
+        max_length=args.max_length, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        backend=args.backend, zero_stage=args.zero_stage, deepspeed_config=args.deepspeed_config,
+        dtype=args.dtype, device=args.device, eval_every=args.eval_every, save_every=args.save_every,
+        log_every=args.log_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume, seed=args.seed,
+        verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
+
+
+def run_train(args) -> int:
+    from .loop import Trainer
+    cfg = train_config(args)
+    try:
+        Trainer(cfg).run()
+    except ValueError as e:                 # bad shapes / sizes found during setup: one line, no traceback
+        if isinstance(e, DumpError):
+            raise
+        raise DumpError(str(e)) from None
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("dump-hidden-states", help="run the target over a tokenized dataset and store draft features")
+    add_dump_args(p)
+    p.set_defaults(func=run_dump)
+    p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test; DeepSpeed or DDP)")
+    add_train_args(p)
+    p.set_defaults(func=run_train)

@@ -1,0 +1,90 @@
+"""`eagle3 generate` contract: JSON output, prompt files, clear errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import save_tiny_model_folder
+from sglang_eagle3.cli import main
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = save_tiny_model_folder(root / "target")
+    assert main(["init-draft", "--target", target, "--out", str(root / "draft"), "--draft-vocab-size", "48",
+                 "--dtype", "float32"]) == 0
+    return target, str(root / "draft"), root
+
+
+def run_json(capsys, *args):
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_spec_equals_vanilla(folders, capsys, tmp_path):
+    target, draft, _ = folders
+    pf = tmp_path / "p.jsonl"
+    rows = [{"question_id": 1, "turns": ["w1 w2 w3", "w9"]},
+            {"conversations": [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7"}]},
+            {"prompt": "w8 w10 w11 w12"}]
+    pf.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = ["--target", target, "--prompts-file", str(pf), "--chat", "--max-new-tokens", "12", "--ignore-eos"]
+    spec = run_json(capsys, *common, "--draft", draft, "--batch-size", "2", "--num-steps", "3", "--topk", "2",
+                    "--num-draft-tokens", "6")
+    van = run_json(capsys, *common, "--draft", "none")
+    assert [o["token_ids"] for o in spec["outputs"]] == [o["token_ids"] for o in van["outputs"]]
+    assert spec["outputs"][0]["prompt"] == [{"role": "user", "content": "w1 w2 w3"}]
+    s = spec["stats"]
+    assert set(s) >= {"accept_length", "tokens_per_s", "verify_steps", "generated_tokens"}
+    assert s["generated_tokens"] == 36 and s["accept_length"] == pytest.approx(36 / s["verify_steps"])
+    assert van["stats"]["accept_length"] == 1.0
+
+
+def test_generate_errors_are_one_line(folders, capsys, tmp_path):
+    target, draft, _ = folders
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"nothing": 1}\n')
+    assert main(["generate", "--target", target, "--prompts-file", str(bad)]) == 2
+    assert f"{bad}:2: no prompt found" in capsys.readouterr().err
+    bad.write_text('{"turns": ["ok"]\n')
+    assert main(["generate", "--target", target, "--prompts-file", str(bad)]) == 2
+    assert f"{bad}:1: not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "--target", target, "--prompt", "w1", "--draft", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["generate", "--target", target, "--prompt", "w1", "--num-steps", "0"]) == 2
+    assert "--num-steps must be >= 1" in capsys.readouterr().err
+    assert main(["generate", "--target", target, "--prompt", "w1", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_console_script_runs(folders):
+    target, draft, _ = folders
+    exe = os.path.join(os.path.dirname(sys.executable), "eagle3")
+    r = subprocess.run([exe, "generate", "--target", target, "--draft", draft, "--prompt", "w1 w2", "--max-new-tokens",
+                        "5", "--ignore-eos"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "accept length" in r.stdout and "tok/s" in r.stdout
+
+
+def test_real_smollm2_greedy_matches_transformers(smollm2_path, tmp_path, capsys):
+    """The embedded target: speculative (random draft, batch 2) == vanilla == transformers greedy, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    assert main(["init-draft", "--target", smollm2_path, "--out", str(tmp_path / "d"), "--draft-vocab-size", "8192",
+                 "--seed", "3"]) == 0
+    capsys.readouterr()
+    prompts = ["Name three primary colors.", "Write a haiku about the sea."]
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    common = ["--target", smollm2_path, "--prompts-file", str(pf), "--chat", "--max-new-tokens", "16"]
+    spec = run_json(capsys, *common, "--draft", str(tmp_path / "d"), "--batch-size", "2")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    for p, o in zip(prompts, spec["outputs"]):
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt")
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        ref = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert o["token_ids"] == ref

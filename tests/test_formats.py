@@ -1,0 +1,247 @@
+"""Layouts: ours <-> eagle-official <-> speculators are lossless, atomic and validated."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang_eagle3.check_draft import has_errors, check_draft
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.formats import (FORMATS, FormatError, detect_format, export_draft, import_draft, read_folder)
+from sglang_eagle3.formats.cli import add_cli
+
+V, H, L = 300, 64, 8
+
+
+def save_target(path, **kw):
+    from transformers import LlamaConfig
+    base = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
+    base.update(kw)
+    LlamaConfig(**base).save_pretrained(path)
+    return str(path)
+
+
+def save_draft(path, target_dir, draft_vocab=100, dtype=torch.bfloat16, aux=None, seed=0):
+    from transformers import AutoConfig
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=draft_vocab,
+                                  aux_layer_ids=aux)
+    cfg.extra["custom_note"] = {"kept": [1, 2]}          # unknown keys must survive every layout
+    model = Eagle3DraftModel(cfg)
+    for p in model.parameters():
+        p.data.add_(torch.randn_like(p) * 0.01)
+    if draft_vocab < V:
+        model.set_vocab_mapping(torch.randperm(V)[:draft_vocab])
+    model.save_pretrained(path, dtype=dtype)
+    return str(path)
+
+
+def read_json(d):
+    with open(os.path.join(d, "config.json")) as f:
+        return json.load(f)
+
+
+def state_of(d):
+    return read_folder(d).tensors
+
+
+@pytest.fixture
+def target(tmp_path):
+    return save_target(tmp_path / "target")
+
+
+@pytest.fixture
+def draft(tmp_path, target):
+    return save_draft(tmp_path / "draft", target)
+
+
+def assert_same_draft(a, b):
+    ta, tb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype, k
+        assert torch.equal(ta[k], tb[k]), k
+    assert read_json(a) == read_json(b)
+    assert Eagle3Config.load(a) == Eagle3Config.load(b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype,draft_vocab,aux", [(torch.bfloat16, 100, None), (torch.float32, V, [0, 2, 6]),
+                                                    (torch.float16, 37, None)])
+def test_round_trip_is_lossless(fmt, dtype, draft_vocab, aux, tmp_path, target):
+    src = save_draft(tmp_path / "src", target, draft_vocab=draft_vocab, dtype=dtype, aux=aux)
+    out, back = str(tmp_path / "out"), str(tmp_path / "back")
+    findings, _ = export_draft(src, fmt, out, target=target)
+    assert not has_errors(findings)
+    assert detect_format(read_json(out)) == fmt
+    findings, _ = import_draft(out, back, target=target)
+    assert not has_errors(findings)
+    assert_same_draft(src, back)
+    assert Eagle3DraftModel.from_pretrained(back).config == Eagle3Config.load(src)
+
+
+def test_round_trip_without_target(tmp_path, draft):
+    for fmt in FORMATS:
+        export_draft(draft, fmt, str(tmp_path / fmt))
+        import_draft(str(tmp_path / fmt), str(tmp_path / f"{fmt}-back"))
+        assert_same_draft(draft, str(tmp_path / f"{fmt}-back"))
+
+
+def test_official_layout_facts(tmp_path, draft, target):
+    out = str(tmp_path / "official")
+    export_draft(draft, "eagle-official", out, target=target)
+    assert sorted(os.listdir(out)) == ["config.json", "pytorch_model.bin"]
+    c = read_json(out)
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["draft_vocab_size"] == 100
+    assert c["num_hidden_layers"] == 1 and c["tie_word_embeddings"] is False
+    state = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
+    assert "midlayer.self_attn.q_proj.weight" in state and state["d2t"].dtype == torch.int64
+    assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 100
+
+
+def test_speculators_layout_facts(tmp_path, draft, target):
+    out = str(tmp_path / "spec")
+    export_draft(draft, "speculators", out, target=target, speculative_tokens=5)
+    c = read_json(out)
+    assert c["speculators_model_type"] == "eagle3"
+    sc = c["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 5,
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert sc["verifier"] == {"name_or_path": os.path.abspath(target), "architectures": ["LlamaForCausalLM"]}
+    tl = c["transformer_layer_config"]
+    assert tl["vocab_size"] == V and tl["num_hidden_layers"] == 1 and tl["model_type"] == "llama"
+    assert c["draft_vocab_size"] == 100 and c["target_hidden_size"] == H
+    assert c["norm_before_residual"] is False                  # vLLM assumes true when absent
+    ours = read_json(draft)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert c["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ours]   # vLLM ids are layer inputs
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+
+
+def test_import_official_release_without_eagle_config(tmp_path, draft, target):
+    """The released layout: no aux ids, an embedding, pytorch_model.bin."""
+    src = tmp_path / "release"
+    src.mkdir()
+    state = load_file(os.path.join(draft, "model.safetensors"))
+    state["embed_tokens.weight"] = torch.randn(V, H).to(torch.bfloat16)
+    torch.save(state, src / "pytorch_model.bin")
+    c = read_json(draft)
+    c["architectures"] = ["LlamaForCausalLM"]
+    del c["eagle_config"]
+    (src / "config.json").write_text(json.dumps(c))
+    with pytest.raises(FormatError, match="pass --target"):
+        import_draft(str(src), str(tmp_path / "x"))
+    assert not os.path.exists(tmp_path / "x")
+    findings, notes = import_draft(str(src), str(tmp_path / "ours"), target=target)
+    assert not has_errors(findings)
+    assert Eagle3Config.load(str(tmp_path / "ours")).aux_layer_ids == [1, 3, 4]
+    assert any("embed_tokens" in n for n in notes)
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "ours" / "model.safetensors"))
+
+
+def test_import_specforge_prefixed_names(tmp_path, draft, target):
+    state = load_file(os.path.join(draft, "model.safetensors"))
+    save_file({f"model.{k}": v for k, v in state.items()}, os.path.join(draft, "model.safetensors"))
+    out = str(tmp_path / "ours")
+    import_draft(draft, out, target=target)
+    assert sorted(load_file(os.path.join(out, "model.safetensors"))) == sorted(state)
+
+
+def test_import_full_vocab_speculators_without_vocab_map(tmp_path, target):
+    src = save_draft(tmp_path / "src", target, draft_vocab=V)
+    spec = str(tmp_path / "spec")
+    export_draft(src, "speculators", spec, target=target)
+    p = os.path.join(spec, "model.safetensors")
+    state = load_file(p)
+    del state["d2t"], state["t2d"]                               # speculators omits them for a full vocab
+    save_file(state, p)
+    out = str(tmp_path / "back")
+    import_draft(spec, out, target=target)
+    assert_same_draft(src, out)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(norm_before_residual=True), "norm_before_residual"),
+    (lambda c: c.pop("norm_before_residual"), "absent, which vLLM reads as true"),
+    (lambda c: c.update(norm_before_fc=True), "norm_before_fc=true"),
+    (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), "model_type='qwen3'"),
+])
+def test_import_refuses_speculators_variants(edit, match, tmp_path, draft, target):
+    spec = str(tmp_path / "spec")
+    export_draft(draft, "speculators", spec, target=target)
+    c = read_json(spec)
+    edit(c)
+    with open(os.path.join(spec, "config.json"), "w") as f:
+        json.dump(c, f)
+    with pytest.raises(FormatError, match=match):
+        import_draft(spec, str(tmp_path / "out"))
+
+
+def test_failed_validation_leaves_nothing(tmp_path, draft, target):
+    p = os.path.join(draft, "model.safetensors")
+    state = load_file(p)
+    state["d2t"][1] = state["d2t"][0] - 1                        # two draft ids -> one target id
+    save_file(state, p)
+    with pytest.raises(FormatError, match="several draft ids"):
+        import_draft(draft, str(tmp_path / "out"), target=target)
+    assert sorted(os.listdir(tmp_path)) == ["draft", "target"]   # no output, no temporary folder
+
+
+def test_overwrite_needs_force(tmp_path, draft, target):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        export_draft(draft, "sglang", str(out))
+    assert (out / "old.txt").exists()
+    export_draft(draft, "sglang", str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_export_notes_for_eagle_runtime(tmp_path, target):
+    src = save_draft(tmp_path / "src", target, aux=[0, 2, 6])
+    _, notes = export_draft(src, "eagle-official", str(tmp_path / "o"), target=target)
+    assert any("always captures its default layers" in n for n in notes)
+    _, notes = export_draft(src, "speculators", str(tmp_path / "s"))
+    assert any("verifier.name_or_path is null" in n for n in notes)
+    assert read_json(str(tmp_path / "s"))["speculators_config"]["verifier"]["name_or_path"] is None
+
+
+def test_wrong_target_is_refused(tmp_path, draft):
+    other = save_target(tmp_path / "other", vocab_size=V + 1)
+    with pytest.raises(FormatError, match="target vocab_size=301"):
+        export_draft(draft, "speculators", str(tmp_path / "out"), target=other)
+    assert not os.path.exists(tmp_path / "out")
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_export_import(tmp_path, draft, target, capsys):
+    spec, back = str(tmp_path / "spec"), str(tmp_path / "back")
+    assert _run(["export", "--draft", draft, "--format", "speculators", "--out", spec, "--target", target]) == 0
+    assert "speculators layout" in capsys.readouterr().out
+    assert _run(["import", "--src", spec, "--out", back]) == 0
+    assert_same_draft(draft, back)
+
+
+def test_cli_errors_are_one_line(tmp_path, draft):
+    from sglang_eagle3.cli import main
+    assert main(["import", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["export", "--draft", draft, "--format", "sglang", "--out", draft]) == 2   # exists
+    assert not has_errors(check_draft(draft))                                                  # untouched

@@ -1,0 +1,221 @@
+"""Trainer: 2-rank DeepSpeed ZeRO-2 on CPU (gloo) end to end, kill -9 and resume, ZeRO-3, plain PyTorch online."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_dump import load_target, make_rows, make_tiny_target, write_jsonl
+
+from sglang_eagle3.config import ConfigError
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.hidden_dump import dump_hidden_states
+from sglang_eagle3.trainer import backend as B
+from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, split_indices
+from sglang_eagle3.trainer.logs import read_metrics
+from sglang_eagle3.trainer.loop import TrainConfig, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train", "train_eagle3.py")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+STEPS, K = 40, 3
+needs_deepspeed = pytest.mark.skipif(not B.deepspeed_available(), reason="deepspeed is not installed")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_target(root / "target", head_std=2.0)
+    rows = make_rows(80, seed=3, lo=8, hi=40)
+    data = write_jsonl(root / "rows.jsonl", rows)
+    dump = str(root / "dump")
+    dump_hidden_states(load_target(target), rows, dump, rows_per_shard=32, dtype=torch.float32, progress=False,
+                       log=lambda *_: None)
+    return root, target, data, dump
+
+
+def train_args(setup, out, *extra):
+    _, target, _, dump = setup
+    return ["--target", target, "--data", dump, "--out", str(out), "--max-steps", str(STEPS), "--lr", "3e-3",
+            "--micro-batch-size", "2", "--eval-rows", "8", "--eval-every", "10", "--save-every", "4",
+            "--log-every", "1", "--draft-vocab-size", "48", "--ttt-length", str(K), "--quiet", *extra]
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+
+
+def torchrun(args, timeout=240):
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *args], capture_output=True,
+                       text=True, env=env(), timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(args):
+    """Two rank processes with torchrun's environment, so the test holds every pid it must kill."""
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        e = dict(env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=e, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    return procs
+
+
+def comparable(records):
+    """Everything but timing."""
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    out = setup[0] / "ref"
+    torchrun(train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero2.json")))
+    return out
+
+
+@needs_deepspeed
+def test_zero2_two_ranks_stay_in_sync_and_learn(setup, reference):
+    s = json.load(open(reference / "train_summary.json"))
+    assert (s["backend"], s["zero_stage"], s["world_size"], s["dtype"]) == ("deepspeed", 2, 2, "float32")
+    assert s["param_checksums"][0] == s["param_checksums"][1]          # replicas identical after 40 steps
+    recs = read_metrics(str(reference / "metrics.jsonl"))
+    train = [r["loss"] for r in recs if r["split"] == "train"]
+    assert len(train) == STEPS
+    assert np.mean(train[-8:]) < 0.93 * np.mean(train[:8]), train     # loss falls
+    ev = [r for r in recs if r["split"] == "eval"]
+    assert [r["step"] for r in ev] == [10, 20, 30, 40] and ev[-1]["loss"] < ev[0]["loss"]
+    assert ev[-1]["rows"] == 8 and 1.0 <= ev[-1]["accept_length"] <= 1.0 + K
+    assert all(0 <= ev[-1][f"acc_{k}"] <= 1 for k in range(K))
+    lrs = [r["lr"] for r in recs if r["split"] == "train"]
+    assert max(lrs) <= 3e-3 and lrs[-1] == pytest.approx(0.0, abs=1e-12)   # warm-up + cosine to 0
+    assert s["tokens_per_s"] > 0
+
+    # export: SGLang layout in bf16, vocab mapping inside, loads and fits the target
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    w = load_file(str(reference / "draft" / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["fc.weight"].shape == (32, 96)
+    assert w["lm_head.weight"].shape == (48, 32)
+    draft = Eagle3DraftModel.from_pretrained(str(reference / "draft"), dtype=torch.float32)
+    draft.check_target(AutoConfig.from_pretrained(setup[1]), [1, 2, 2])
+    vocab = load_file(str(reference / "draft_vocab.safetensors"))
+    assert torch.equal(draft.d2t, vocab["d2t"]) and torch.equal(draft.t2d, vocab["t2d"])
+
+    assert open(reference / "training_curves.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(reference / "tensorboard"))
+    ck = sorted(os.listdir(reference / "checkpoints"))
+    assert ck == ["latest", "step_0000036", "step_0000040"]            # keep 2, no temporary dirs left
+
+
+@needs_deepspeed
+def test_kill_9_and_resume_reproduces_the_run(setup, reference):
+    out = setup[0] / "killed"
+    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero2.json"))
+    procs = spawn_ranks(args)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 180
+    while not latest.exists() and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    assert latest.exists(), "the run died before its first checkpoint"
+    assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
+
+    torchrun(args + ["--resume"])
+    s = json.load(open(out / "train_summary.json"))
+    assert 0 < s["resumed_from"] < STEPS
+    ref = comparable(read_metrics(str(reference / "metrics.jsonl")))
+    got = comparable(read_metrics(str(out / "metrics.jsonl")))
+    assert got == ref                                   # every loss, lr, grad norm and eval metric, bit for bit
+    from safetensors.torch import load_file
+    a, b = load_file(str(reference / "draft" / "model.safetensors")), load_file(str(out / "draft" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_deepspeed
+def test_zero3_two_ranks(setup):
+    out = setup[0] / "zero3"
+    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero3.json"))
+    args[args.index("--max-steps") + 1] = "6"
+    torchrun(args)
+    s = json.load(open(out / "train_summary.json"))
+    assert s["zero_stage"] == 3 and s["param_checksums"][0] == s["param_checksums"][1]
+    Eagle3DraftModel.from_pretrained(str(out / "draft"))
+
+
+def test_plain_pytorch_online_top_features(setup, tmp_path):
+    """One process, no DeepSpeed, target features computed on the fly, the 'top'-feature ablation + feature loss."""
+    _, target, data, _ = setup
+    cfg = TrainConfig(target=target, data=data, out=str(tmp_path / "run"), eval_rows=4, max_steps=4, lr=1e-3,
+                      ttt_length=2, features="top", feature_loss_weight=0.1, backend="ddp", eval_every=2,
+                      save_every=2, log_every=1, progress=False, tensorboard=False)
+    summary = Trainer(cfg).run()
+    assert summary["backend"] == "ddp" and summary["final_eval"]["rows"] == 4
+    draft = Eagle3DraftModel.from_pretrained(summary["export"])
+    assert draft.config.aux_layer_ids == [5] and draft.fc.weight.shape == (32, 32)    # fc reads H_t, not 3 H_t
+    assert draft.config.draft_vocab_size == 64
+    # same settings resume cleanly (nothing left to do); a different batch size is refused
+    assert Trainer(TrainConfig(**{**cfg.__dict__, "resume": True})).run()["resumed_from"] == 4
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        Trainer(TrainConfig(**{**cfg.__dict__, "resume": True, "micro_batch_size": 2})).run()
+
+
+def test_step_sampler_is_a_deterministic_partition():
+    idx = np.arange(3, 50)
+    per_rank = [StepSampler(idx, 2, r, micro_batch_size=3, grad_accum=2, seed=7) for r in range(2)]
+    spe = per_rank[0].steps_per_epoch
+    assert spe == len(idx) // 12
+    for epoch in range(2):
+        seen = [i for s in range(epoch * spe, (epoch + 1) * spe) for smp in per_rank
+                for mb in smp.micro_batches(s) for i in mb]
+        assert len(seen) == len(set(seen)) == spe * 12 and set(seen) <= set(idx.tolist())
+    fresh = StepSampler(idx, 2, 1, micro_batch_size=3, grad_accum=2, seed=7)
+    assert fresh.micro_batches(spe + 1) == per_rank[1].micro_batches(spe + 1)     # no hidden state
+    assert per_rank[0].micro_batches(0) != per_rank[0].micro_batches(spe)          # reshuffled per epoch
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        StepSampler(np.arange(5), 2, 0, 3, 1, 0)
+
+
+def test_split_eval_plan_schedule_and_collate():
+    tr, ev = split_indices(20, 6, seed=1)
+    assert len(ev) == 6 and sorted(set(tr) | set(ev)) == list(range(20)) and not set(tr) & set(ev)
+    plans = [eval_rows_of_rank(np.arange(5), 2, r) for r in range(2)]
+    assert len(plans[0]) == len(plans[1]) == 3                       # equal forwards per rank (ZeRO-3)
+    assert sorted(i for p in plans for i, counted in p if counted) == list(range(5))
+    f = B.warmup_cosine(100, 10)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0, abs=1e-12)
+    b = collate([{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]),
+                  "last_hidden": torch.ones(3, 4)},
+                 {"input_ids": torch.tensor([4]), "loss_mask": torch.tensor([1]), "last_hidden": torch.ones(1, 4)}],
+                max_length=2)
+    assert b["input_ids"].tolist() == [[1, 2], [4, 0]] and b["attention_mask"].tolist() == [[1, 1], [1, 0]]
+    assert b["last_hidden"].shape == (2, 2, 4) and b["last_hidden"][1, 1].abs().sum() == 0
+
+
+def test_deepspeed_config_files(tmp_path):
+    for z in (1, 2, 3):
+        cfg = B.load_ds_config(os.path.join(ROOT, "train", f"ds_zero{z}.json"), None, 4, 8, 0.5, True)
+        assert cfg["zero_optimization"]["stage"] == z and cfg["train_micro_batch_size_per_gpu"] == 4
+        assert cfg["gradient_accumulation_steps"] == 8 and cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"]
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError, match="remove the 'optimizer' section"):
+        B.load_ds_config(str(bad), None, 1, 1, 0.5, False)
