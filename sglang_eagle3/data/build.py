@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .chat import ChatRenderer, ChatTemplateError
-from .formats import BadRow, DataError, Source, read_source
+from .formats import BadRow, DataError, Source, count_rows, read_source
 
 DATA_FILE, STATS_FILE = "data.arrow", "stats.json"
 LENGTH_POLICIES = ("drop", "truncate")
@@ -75,7 +75,9 @@ def encode_sources(sources: list[Source], renderer: ChatRenderer, max_length: Op
     if length_policy not in LENGTH_POLICIES:
         raise DataError(f"--length-policy must be one of {LENGTH_POLICIES}, got {length_policy!r}")
     stats = {} if stats is None else stats
-    bar = tqdm(desc="tokenizing", unit=" rows", disable=not progress)
+    counts = [count_rows(s) if progress else None for s in sources]
+    total = None if None in counts else sum(min(n, max_rows or n) for n in counts)
+    bar = tqdm(desc="tokenizing", unit=" rows", total=total, disable=not progress)
     for src in sources:
         st = stats.setdefault(src.name, SourceStats())
         for number, item in read_source(src):
@@ -237,7 +239,8 @@ def iter_tokenized(path: str, batch_rows: int = 1024):
         for batch in pa.ipc.open_stream(source):
             ids, mask = _flat(batch.column("input_ids")), _flat(batch.column("loss_mask"))
             for r in range(len(batch)):
-                yield ids[0][ids[1][r]:ids[1][r + 1]], mask[0][mask[1][r]:mask[1][r + 1]]
+                # copies: the memory map closes when the generator ends
+                yield ids[0][ids[1][r]:ids[1][r + 1]].copy(), mask[0][mask[1][r]:mask[1][r + 1]].copy()
 
 
 def _flat(col):

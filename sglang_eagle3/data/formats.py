@@ -289,6 +289,14 @@ def _dataset_rows(src: Source) -> Iterator[tuple[int, object]]:
     yield from enumerate(ds, start=1)
 
 
+def count_rows(src: Source) -> Optional[int]:
+    """Row count of a local .jsonl (cheap: one pass over the lines), else None."""
+    if src.is_hub or not src.path.endswith(".jsonl"):
+        return None
+    with open(src.path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def raw_rows(src: Source) -> Iterator[tuple[int, object]]:
     if src.is_hub or not src.path.endswith((".json", ".jsonl")):
         return _dataset_rows(src)

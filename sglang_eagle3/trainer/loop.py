@@ -124,6 +124,8 @@ class Trainer:
         self.device = pick_device(cfg.device)
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        else:
+            torch.cuda.set_device(self.device)
         self.backend_name = cfg.backend if cfg.backend != "auto" else (
             "deepspeed" if B.deepspeed_available() else "ddp")
         if self.backend_name == "deepspeed" and not B.deepspeed_available():
