@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = [
     "sglang_eagle3.data.cli",
     "sglang_eagle3.regenerate",
     "sglang_eagle3.trainer.cli",
+    "sglang_eagle3.launcher",
 ]
 
 

@@ -1,0 +1,290 @@
+"""Acceptance length and speed-up per eval set, in the shape of the EAGLE-3 paper's main table.
+
+For every prompt of a set we decode twice in the same engine runtime: vanilla (target only) and
+speculative (target + EAGLE-3 draft), alternating which goes first so slow drift (thermal, other jobs)
+hits both. Prompts are chats (the target's chat template). MT-bench's second turn is asked after the
+run's OWN first answer, so the vanilla and speculative conversations can differ at temperature 1.
+
+tau (mean acceptance length): tokens emitted per draft-and-verify cycle, bonus token included,
+pooled over all decoding steps of the set; the token sampled at prefill is not a cycle and is left out.
+Speed-up: per prompt (speculative tokens/s over vanilla tokens/s, median over prompts) and the ratio of
+the set's total tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections import Counter
+
+from . import report, run_cli
+
+FORMAT = "sglang_eagle3.bench_acceptance/1"
+DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
+PAPER_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
+               "sum": "CNN/DM"}
+TAU_DEFINITION = ("tokens emitted per draft-and-verify cycle (accepted drafts + 1 bonus token), pooled over all "
+                  "decoding steps of the set; the prefill token is not counted as a cycle")
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+def resolve_sets(names: list[str], data: str) -> dict[str, str]:
+    """'mt_bench' -> <data>/eval/mt_bench.jsonl; a path ending in .jsonl is used as is (named by its stem)."""
+    from ..cli import UserError
+    out = {}
+    for name in names:
+        path = name if name.endswith(".jsonl") else os.path.join(data, "eval", f"{name}.jsonl")
+        key = os.path.splitext(os.path.basename(path))[0]
+        if not os.path.isfile(path):
+            folder = os.path.dirname(path)
+            have = sorted(f[:-6] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
+            raise UserError(f"--datasets {name}: {path} does not exist"
+                            + (f" (available: {', '.join(have)})" if have else " (set EAGLE3_DATA or --data)"))
+        if key in out:
+            raise UserError(f"--datasets: {key} given twice")
+        out[key] = path
+    return out
+
+
+def turn_seed(seed: int, set_index: int, prompt_index: int, turn: int) -> int:
+    """Per (set, prompt, turn) seed: both runs of a prompt get the same one, and reruns repeat."""
+    return (seed * 1_000_003 + set_index * 10_007 + prompt_index * 101 + turn) % (2 ** 62)
+
+
+# ---- one conversation ------------------------------------------------------------------------
+
+
+def run_conversation(engine, turns: list[str], make_params) -> dict:
+    """Ask each user turn after the run's own previous answers; time each generate call (wall clock)."""
+    messages, texts, ids, steps = [], [], [], []
+    wall = 0.0
+    for k, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        t0 = time.perf_counter()
+        outs, _ = engine.generate([list(messages)], make_params(k), batch_size=1)
+        wall += time.perf_counter() - t0
+        o = outs[0]
+        messages.append({"role": "assistant", "content": o.text})
+        texts.append(o.text)
+        ids.append(o.token_ids)
+        steps += o.accept_lengths[1:]           # [0] is the prefill token
+    return {"time_s": wall, "tokens": sum(len(t) for t in ids), "token_ids": ids, "texts": texts,
+            "accept_lengths": steps}
+
+
+def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool) -> dict:
+    runs = {}
+    for name in (("spec", "vanilla") if spec_first else ("vanilla", "spec")):
+        runs[name] = run_conversation(spec_engine if name == "spec" else van_engine, turns, make_params)
+    v, s = runs["vanilla"], runs["spec"]
+    tps_v, tps_s = report.safe_div(v["tokens"], v["time_s"]), report.safe_div(s["tokens"], s["time_s"])
+    return {"turns": len(turns), "tokens_vanilla": v["tokens"], "tokens_spec": s["tokens"],
+            "time_vanilla_s": v["time_s"], "time_spec_s": s["time_s"],
+            "speedup": report.safe_div(tps_s, tps_v) if tps_v and tps_s else None,
+            "decode_steps": len(s["accept_lengths"]), "accepted_tokens": sum(s["accept_lengths"]),
+            "identical": v["token_ids"] == s["token_ids"], "spec_first": spec_first,
+            "_accept_lengths": s["accept_lengths"]}
+
+
+def summarize_set(rows: list[dict], greedy: bool) -> dict:
+    hist = Counter(a for r in rows for a in r["_accept_lengths"])
+    steps, acc = sum(r["decode_steps"] for r in rows), sum(r["accepted_tokens"] for r in rows)
+    tok_v, tok_s = sum(r["tokens_vanilla"] for r in rows), sum(r["tokens_spec"] for r in rows)
+    t_v, t_s = sum(r["time_vanilla_s"] for r in rows), sum(r["time_spec_s"] for r in rows)
+    tps_v, tps_s = report.safe_div(tok_v, t_v), report.safe_div(tok_s, t_s)
+    out = {"n_prompts": len(rows), "tau": report.safe_div(acc, steps),
+           "speedup_median": report.median(r["speedup"] for r in rows if r["speedup"] is not None),
+           "speedup_total": report.safe_div(tps_s, tps_v) if tps_v and tps_s else None,
+           "tokens_per_s_vanilla": tps_v, "tokens_per_s_spec": tps_s,
+           "tokens_vanilla": tok_v, "tokens_spec": tok_s, "time_vanilla_s": t_v, "time_spec_s": t_s,
+           "decode_steps": steps,
+           "accept_histogram": {str(k): hist[k] for k in range(1, max(hist, default=1) + 1)}}
+    if greedy:
+        out["identical_to_vanilla"] = sum(r["identical"] for r in rows)
+    out["per_prompt"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    return out
+
+
+def average_row(sets: dict) -> dict:
+    def mean(key):
+        xs = [s[key] for s in sets.values() if s.get(key) is not None]
+        return sum(xs) / len(xs) if xs else None
+    return {"tau": mean("tau"), "speedup_median": mean("speedup_median"), "speedup_total": mean("speedup_total"),
+            "tokens_per_s_vanilla": mean("tokens_per_s_vanilla"), "tokens_per_s_spec": mean("tokens_per_s_spec"),
+            "n_prompts": sum(s["n_prompts"] for s in sets.values()),
+            "tokens_spec": sum(s["tokens_spec"] for s in sets.values())}
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+
+TABLE_HEADERS = ["Set", "Speed-up", "τ", "n", "tokens", "vanilla tok/s", "EAGLE-3 tok/s", "speed-up (totals)"]
+
+
+def table_rows(result: dict) -> list[list]:
+    rows = []
+    for name, s in list(result["sets"].items()) + [("Average", result["average"])]:
+        rows.append([PAPER_NAMES.get(name, name), report.fmt_speedup(s["speedup_median"]), s["tau"],
+                     s["n_prompts"], s["tokens_spec"], s["tokens_per_s_vanilla"], s["tokens_per_s_spec"],
+                     report.fmt_speedup(s["speedup_total"])])
+    return rows
+
+
+def caption(result: dict) -> str:
+    c = result["config"]
+    sp = c["spec"]
+    return (f"Temperature={c['temperature']:g}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
+            f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}; "
+            f"max_new_tokens={c['max_new_tokens']}; speed-up = median over prompts of speculative/vanilla tokens/s "
+            f"(same engine, alternated runs); τ = {TAU_DEFINITION}.")
+
+
+def markdown_report(result: dict) -> str:
+    lines = [caption(result), "", report.format_table(TABLE_HEADERS, table_rows(result))]
+    if result["config"]["temperature"] == 0:
+        same = ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in result["sets"].items())
+        lines += ["", f"Greedy outputs identical to vanilla: {same}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_histograms(result: dict, path: str) -> str:
+    sets = result["sets"]
+    ncols = min(3, len(sets))
+    nrows = math.ceil(len(sets) / ncols)
+    fig, axes = report.subplots(nrows, ncols)
+    for ax, (name, s) in zip(axes, sets.items()):
+        ks = [int(k) for k in s["accept_histogram"]]
+        total = max(1, sum(s["accept_histogram"].values()))
+        ax.bar(ks, [s["accept_histogram"][str(k)] / total for k in ks], color="tab:blue")
+        tau = report.fmt_num(s["tau"])
+        ax.set_title(f"{PAPER_NAMES.get(name, name)}  (τ={tau}, {report.fmt_speedup(s['speedup_median'])})")
+        ax.set_xlabel("tokens per verify step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_xticks(ks)
+    for ax in axes[len(sets):]:
+        ax.axis("off")
+    return report.save_figure(fig, path)
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..generate_cli import DTYPES, add_spec_args
+    from ..prompts import data_dir
+    p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the shipped draft, if any)")
+    p.add_argument("--datasets", default=",".join(DEFAULT_SETS),
+                   help="comma list of eval set names under $EAGLE3_DATA/eval, or .jsonl paths")
+    p.add_argument("--data", default=data_dir(), help="data folder (default: $EAGLE3_DATA or ../shared/data)")
+    p.add_argument("--n", type=int, default=10, help="prompts per set (default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", required=True, help="results JSON; the table goes to .md and the histogram to _hist.png")
+    p.add_argument("--fresh", action="store_true", help="ignore sets already in --out (default: resume them "
+                                                       "when the run settings match)")
+    add_spec_args(p)
+    return p
+
+
+def _config(a, target: str, draft: str) -> dict:
+    """The settings a stored set must share to be reused (the list of sets may grow)."""
+    return {"target": target, "draft": draft, "dtype": a.dtype, "temperature": a.temperature,
+            "seed": a.seed if a.temperature > 0 else None, "n": a.n, "max_new_tokens": a.max_new_tokens,
+            "ignore_eos": a.ignore_eos,
+            "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens}}
+
+
+def _resumable(out: str, config: dict, fresh: bool) -> dict:
+    if fresh or not os.path.isfile(out):
+        return {}
+    try:
+        old = report.read_json(out)
+    except ValueError:
+        return {}
+    if old.get("format") != FORMAT or old.get("config") != config:
+        print(f"note: {out} was made with other settings; starting over", file=sys.stderr)
+        return {}
+    return dict(old.get("sets", {}))
+
+
+def run(argv=None) -> int:
+    import torch
+    from tqdm import tqdm
+    from ..cli import UserError
+    from ..config import SpecConfig
+    from ..engine import SpeculativeEngine
+    from ..generate_cli import load_engine, resolve_target, shipped_draft
+    from ..prompts import load_prompts
+    from ..verify import SamplingParams
+
+    a = build_parser().parse_args(argv)
+    if a.n < 1:
+        raise UserError(f"--n must be >= 1, got {a.n}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    draft = a.draft or shipped_draft()
+    if not draft or draft == "none":
+        raise UserError("--draft is required (no shipped draft yet; `eagle3 init-draft --out D` writes a random one)")
+    sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data)
+    prompts = {k: load_prompts(path, limit=a.n) for k, path in sets.items()}
+    try:
+        base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    a.num_draft_tokens = spec.num_draft_tokens            # topk=1 clamps it to num_steps + 1
+    target = resolve_target(a.target)
+    config = _config(a, target, os.path.abspath(draft))
+    done = _resumable(a.out, config, a.fresh)
+
+    spec_engine = load_engine(target, draft, spec, a.dtype)
+    van_engine = SpeculativeEngine(spec_engine.target, None)
+    warm = [[{"role": "user", "content": "Hello"}]]
+    for eng in (van_engine, spec_engine):                 # first-call overheads out of the timings
+        eng.generate(warm, SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+    result = {"format": FORMAT, "config": config, "meta": report.run_metadata(), "tau_definition": TAU_DEFINITION,
+              "datasets": sets, "sets": {}, "average": None}
+    todo = sum(len(p) for k, p in prompts.items() if k not in done)
+    bar = tqdm(total=todo, desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
+    for si, (name, convs) in enumerate(prompts.items()):
+        if name in done:
+            result["sets"][name] = done[name]
+            continue
+        turns_kept = convs if name == "mt_bench" else [c[:1] for c in convs]
+        rows = []
+        for i, turns in enumerate(turns_kept):
+            def make_params(k, i=i):
+                from dataclasses import replace
+                return replace(base, seed=turn_seed(a.seed, si, i, k)) if a.temperature > 0 else base
+            rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, spec_first=i % 2 == 1))
+            tau = report.safe_div(sum(r["accepted_tokens"] for r in rows), sum(r["decode_steps"] for r in rows))
+            bar.set_postfix_str(f"{name} τ={report.fmt_num(tau)}")
+            bar.update(1)
+        result["sets"][name] = summarize_set(rows, greedy=base.greedy)
+        result["average"] = average_row(result["sets"])
+        report.write_json_atomic(a.out, result)           # a finished set survives an interrupted run
+    bar.close()
+    result["average"] = average_row(result["sets"])
+    report.write_json_atomic(a.out, result)
+    md = markdown_report(result)
+    md_path = report.write_text_atomic(report.sibling(a.out, ".md"), md)
+    png = plot_histograms(result, report.sibling(a.out, "_hist.png"))
+    print(md)
+    print(f"wrote {os.path.abspath(a.out)}\n      {md_path}\n      {png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("bench_acceptance", run, argv)

@@ -1,0 +1,113 @@
+"""Measuring tokens/s of decoding trees: in our engine (every tree per run) or on a SGLang server (its tree)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from . import report
+from .tune import tree_grid, tree_key
+
+
+def _cycled(prompts: list, bs: int, n: int) -> list:
+    """At least n prompts, a whole number of batches of bs."""
+    total = -(-max(n, bs) // bs) * bs
+    return [prompts[i % len(prompts)] for i in range(total)]
+
+
+def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
+    """Vanilla + every grid tree at every batch size, in our engine. Returns the setup description."""
+    import time
+    from tqdm import tqdm
+    from ..config import SpecConfig
+    from ..engine import SpeculativeEngine
+    from ..generate_cli import load_engine
+    from ..verify import SamplingParams
+    trees = tree_grid(a.steps, a.topks, a.ndts)
+    base = load_engine(a.target, a.draft, SpecConfig(**trees[0]), a.dtype)
+    engines = {"vanilla": SpeculativeEngine(base.target, None)}
+    for t in trees:
+        engines[tree_key(t)] = SpeculativeEngine(base.target, base.draft, SpecConfig(**t))
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
+                            seed=a.seed if a.temperature > 0 else None)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    for key in ("vanilla", tree_key(trees[0])):
+        engines[key].generate(chats[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    plan = {bs: [t for t in [None] + trees if (bs, tree_key(t)) not in done] for bs in a.batch_sizes}
+    bar = tqdm(total=sum(len(v) for v in plan.values()) * a.repeats, desc="configs", unit="run",
+               dynamic_ncols=True, file=sys.stderr)
+    for bs, todo in plan.items():
+        batch = _cycled(chats, bs, a.n)
+        runs: dict[str, list] = {tree_key(t): [] for t in todo}
+        for _ in range(a.repeats):                 # repeats outermost: drift hits every tree alike
+            for t in todo:
+                bar.set_postfix_str(f"bs={bs} {tree_key(t)}")
+                t0 = time.perf_counter()
+                outs, st = engines[tree_key(t)].generate(batch, params, batch_size=bs)
+                runs[tree_key(t)].append((st.generated_tokens, time.perf_counter() - t0, st.verify_steps,
+                                          [o.token_ids for o in outs]))
+                bar.update(1)
+        van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
+        rows = []
+        for t in todo:
+            rs = runs[tree_key(t)]
+            rows.append({"batch_size": bs, "tree": t, "prompts": len(batch), "repeats": len(rs),
+                         "tokens": sum(r[0] for r in rs), "time_s": sum(r[1] for r in rs),
+                         "tokens_per_s": report.median(r[0] / r[1] for r in rs),
+                         "accept_length": report.safe_div(sum(r[0] for r in rs), sum(r[2] for r in rs)),
+                         "identical_to_vanilla": (rs[0][3] == van_ids) if (van_ids is not None and t is not None
+                                                                           and params.greedy) else None})
+        on_rows(rows)
+    bar.close()
+    return {"backend": "engine", "target": os.path.abspath(a.target) if os.path.isdir(a.target) else a.target,
+            "draft": os.path.abspath(a.draft), "dtype": a.dtype}
+
+
+def chat_texts(prompts: list[str], tokenizer_path: str | None) -> tuple[list[str], str]:
+    """Prompts through the target's chat template when its tokenizer is here; else as raw text."""
+    if tokenizer_path and os.path.isdir(tokenizer_path):
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_path)
+            return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                            add_generation_prompt=True) for p in prompts], "chat"
+        except (OSError, ValueError):
+            pass
+    return list(prompts), "raw"
+
+
+def measure_server(a, prompts: list, on_rows) -> dict:
+    """The server's current tree at every batch size (waves of batch_size concurrent requests)."""
+    from tqdm import tqdm
+    from .sglang_client import SGLangClient, server_tree, summarize_meta
+    client = SGLangClient(a.sglang_url, timeout=a.timeout)
+    info = client.server_info()
+    tree = server_tree(info)
+    texts, fmt = chat_texts(prompts, a.target if a.target != "testbed" else info.get("model_path"))
+    sp = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "ignore_eos": a.ignore_eos}
+    if a.temperature > 0:
+        sp["sampling_seed"] = a.seed
+    client.generate(texts[:1], {**sp, "max_new_tokens": 8})
+    print(f"server {a.sglang_url}: {info.get('model_path')} | {tree_key(tree)} | prompts as {fmt} text",
+          file=sys.stderr)
+    rows = []
+    for bs in tqdm(a.batch_sizes, desc="batch sizes", file=sys.stderr, dynamic_ncols=True):
+        batch = _cycled(texts, bs, a.n)
+        runs = []
+        for _ in range(a.repeats):
+            client.flush_cache()
+            tokens, verify, wall = 0, 0, 0.0
+            for i in range(0, len(batch), bs):
+                metas, dt = client.generate(batch[i:i + bs], sp)
+                tok, ver = summarize_meta(metas)
+                tokens, wall = tokens + tok, wall + dt
+                verify = None if ver is None or verify is None else verify + ver
+            runs.append((tokens, wall, verify))
+        verify = None if any(r[2] is None for r in runs) else sum(r[2] for r in runs)
+        rows.append({"batch_size": bs, "tree": tree, "prompts": len(batch), "repeats": len(runs),
+                     "tokens": sum(r[0] for r in runs), "time_s": sum(r[1] for r in runs),
+                     "tokens_per_s": report.median(r[0] / r[1] for r in runs if r[1] > 0),
+                     "accept_length": report.safe_div(sum(r[0] for r in runs), verify) if verify else None,
+                     "identical_to_vanilla": None, "server_draft": info.get("speculative_draft_model_path")})
+    on_rows(rows)
+    return {"backend": "sglang", "url": a.sglang_url, "target": info.get("model_path"),
+            "draft": info.get("speculative_draft_model_path"), "dtype": info.get("dtype"), "prompt_format": fmt}

@@ -1,0 +1,395 @@
+"""Pick the draft tree (num_steps, topk, num_draft_tokens) per batch size by measured tokens/s.
+
+Two backends:
+  engine (default): our SpeculativeEngine on this machine; every tree of the grid and vanilla decoding
+      are measured at every batch size in one run (the tree is a per-call setting here).
+  --sglang-url: a running SGLang server. Its tree is fixed at launch (--speculative-num-steps,
+      --speculative-eagle-topk, --speculative-num-draft-tokens), so one run measures the server's current
+      tree (read from /server_info) at every batch size, and adds the rows to the grid file. Relaunch
+      the server with the next tree (and once without speculation, for the baseline) and run again with
+      the same --out: the profile is rebuilt from all rows gathered so far.
+
+Outputs (from --out PROFILE.json): PROFILE.json (read by load_profile below), PROFILE.grid.json (every
+measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
+SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import report, run_cli
+
+PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
+GRID_FORMAT = "sglang_eagle3.tune_grid/1"
+ADAPTIVE_NOTE = (
+    "SGLang 0.5.23 --speculative-adaptive-config: integer batch-size keys, each with candidate_steps; a batch "
+    "size uses the slot of the largest key <= it. Adaptive speculation supports topk=1 chains only "
+    "(num_draft_tokens = steps + 1) and picks among candidate_steps at runtime from the acceptance it sees; "
+    "0 means no speculation. Trees with topk > 1 cannot be expressed here: each slot holds the measured chain "
+    "lengths within the tolerance of the best chain (and 0 where vanilla decoding is as fast or faster).")
+
+
+class ProfileError(ValueError):
+    pass
+
+
+# ---- grid ------------------------------------------------------------------------------------
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    from ..cli import UserError
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not vals or min(vals) < 1:
+        raise UserError(f"{flag} {text!r}: expected integers >= 1")
+    return sorted(set(vals))
+
+
+def tree_grid(steps: list[int], topks: list[int], ndts: list[int]) -> list[dict]:
+    """Distinct valid trees; num_draft_tokens is capped at what (steps, topk) can draft."""
+    from ..config import SpecConfig
+    seen, out = set(), []
+    for s in steps:
+        for k in topks:
+            cap = s + 1 if k == 1 else 1 + k + (s - 1) * k * k
+            for n in ndts:
+                c = SpecConfig(s, k, min(n, cap))
+                key = (c.num_steps, c.topk, c.num_draft_tokens)
+                if key not in seen:
+                    seen.add(key)
+                    out.append({"num_steps": key[0], "topk": key[1], "num_draft_tokens": key[2]})
+    return out
+
+
+def tree_key(tree: dict | None) -> str:
+    return "vanilla" if tree is None else f"steps={tree['num_steps']} topk={tree['topk']} ndt={tree['num_draft_tokens']}"
+
+
+# ---- selection -------------------------------------------------------------------------------
+
+
+def _by_batch_size(rows: list[dict]) -> dict[int, tuple[dict | None, list[dict]]]:
+    out: dict[int, tuple] = {}
+    for bs in sorted({r["batch_size"] for r in rows}):
+        mine = [r for r in rows if r["batch_size"] == bs]
+        van = next((r for r in mine if r["tree"] is None), None)
+        out[bs] = (van, [r for r in mine if r["tree"] is not None])
+    return out
+
+
+def select_best(rows: list[dict], min_speedup: float = 1.0) -> dict[str, dict]:
+    """Per batch size: the fastest tree, or speculation: false when vanilla is at least as good."""
+    best = {}
+    for bs, (van, specs) in _by_batch_size(rows).items():
+        top = max(specs, key=lambda r: r["tokens_per_s"], default=None)
+        van_tps = van["tokens_per_s"] if van else None
+        spd = report.safe_div(top["tokens_per_s"], van_tps) if top and van_tps else None
+        if top is None or (spd is not None and spd < min_speedup):
+            entry = {"speculation": False, "tokens_per_s": van_tps, "speedup": 1.0}
+            if top is not None:
+                entry["best_tree"] = {**top["tree"], "tokens_per_s": top["tokens_per_s"], "speedup": spd}
+        else:
+            entry = {"speculation": True, **top["tree"], "tokens_per_s": top["tokens_per_s"], "speedup": spd,
+                     "accept_length": top.get("accept_length"), "vanilla_tokens_per_s": van_tps}
+            if van is None:
+                entry["note"] = "no vanilla baseline measured at this batch size"
+        best[str(bs)] = entry
+    return best
+
+
+def adaptive_config(rows: list[dict], min_speedup: float = 1.0, tolerance: float = 0.05) -> dict:
+    """SGLang's --speculative-adaptive-config from the topk=1 (chain) measurements."""
+    cfg: dict = {"_comment": ADAPTIVE_NOTE}
+    for bs, (van, specs) in _by_batch_size(rows).items():
+        chains = [r for r in specs if r["tree"]["topk"] == 1]
+        if not chains:
+            continue
+        top = max(chains, key=lambda r: r["tokens_per_s"])
+        floor = (1 - tolerance) * top["tokens_per_s"]
+        if van is not None and top["tokens_per_s"] < min_speedup * van["tokens_per_s"]:
+            steps = [0]
+        else:
+            steps = sorted({r["tree"]["num_steps"] for r in chains if r["tokens_per_s"] >= floor})
+            if van is not None and van["tokens_per_s"] >= floor:
+                steps = [0] + steps
+        cfg[str(bs)] = {"candidate_steps": steps}
+    if len(cfg) == 1:
+        raise ProfileError("no topk=1 tree was measured: add 1 to --topk-grid to write the SGLang adaptive config")
+    validate_adaptive_config(cfg)
+    return cfg
+
+
+def validate_adaptive_config(cfg: dict, where: str = "adaptive config") -> None:
+    """The rules SGLang 0.5.23 applies when it loads the file (adaptive_spec_params._load_adaptive_config)."""
+    keys = [k for k in cfg if k.isdigit()]
+    if not keys:
+        raise ProfileError(f"{where}: needs at least one integer batch-size key")
+    for k in keys:
+        steps = cfg[k].get("candidate_steps") if isinstance(cfg[k], dict) else None
+        if not isinstance(steps, list) or not steps or not all(isinstance(s, int) and s >= 0 for s in steps):
+            raise ProfileError(f"{where}: batch size {k}: candidate_steps must be a non-empty list of ints >= 0")
+
+
+def launch_flags(best: dict, adaptive_path: str | None, adaptive: dict | None) -> dict:
+    """SGLang flags that reproduce the choice for batch size 1 (static) and the adaptive setup."""
+    flags = {}
+    first = best.get(min(best, key=int)) if best else None
+    if first and first.get("speculation"):
+        flags["static_bs1"] = (f"--speculative-algorithm EAGLE3 --speculative-num-steps {first['num_steps']} "
+                               f"--speculative-eagle-topk {first['topk']} "
+                               f"--speculative-num-draft-tokens {first['num_draft_tokens']}")
+    if not any(e.get("speculation") for e in best.values()):
+        flags["note"] = "no tree beat vanilla decoding at any batch size: launch without --speculative-* flags"
+    steps = max((s for k, v in (adaptive or {}).items() if k.isdigit() for s in v["candidate_steps"]), default=0)
+    if adaptive and adaptive_path and steps > 0:
+        flags["adaptive"] = (f"--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-steps "
+                             f"{steps} --speculative-num-draft-tokens {steps + 1} "
+                             f"--speculative-adaptive --speculative-adaptive-config {adaptive_path}")
+    return flags
+
+
+# ---- loader ----------------------------------------------------------------------------------
+
+
+def load_profile(path: str, batch_size: int):
+    """The tree to use at batch_size (SpecConfig), or None for vanilla decoding.
+
+    A batch size without its own entry uses the largest measured one below it (the smallest above it
+    if none is below), the same routing SGLang applies to its adaptive config."""
+    from ..config import ConfigError, SpecConfig
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
+    try:
+        prof = report.read_json(path)
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
+    table = prof.get("per_batch_size") if isinstance(prof, dict) else None
+    if not isinstance(table, dict) or not table or not all(str(k).isdigit() for k in table):
+        raise ProfileError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
+    if batch_size < 1:
+        raise ProfileError(f"batch_size must be >= 1, got {batch_size}")
+    keys = sorted(int(k) for k in table)
+    below = [k for k in keys if k <= batch_size]
+    key = str(below[-1] if below else keys[0])
+    entry = table[key]
+    if entry is None or (isinstance(entry, dict) and entry.get("speculation") is False):
+        return None
+    try:
+        return SpecConfig(int(entry["num_steps"]), int(entry["topk"]), int(entry["num_draft_tokens"]))
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise ProfileError(f"{path}: per_batch_size[{key}]: not a valid tree ({e})") from None
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+
+def grid_table(rows: list[dict], best: dict) -> str:
+    groups = _by_batch_size(rows)
+    trees = sorted({tree_key(r["tree"]) for r in rows}, key=lambda k: (k != "vanilla", k))
+    headers = ["tree"] + [f"bs={bs}" for bs in groups]
+    lines = []
+    for t in trees:
+        cells = [t]
+        for bs, (van, specs) in groups.items():
+            r = next((x for x in ([van] if van else []) + specs if tree_key(x["tree"]) == t), None)
+            if r is None:
+                cells.append("-")
+                continue
+            spd = report.safe_div(r["tokens_per_s"], van["tokens_per_s"]) if van else None
+            b = best.get(str(bs), {})
+            chosen = (tree_key(r["tree"]) == tree_key(b if b.get("speculation") else None))
+            cells.append(f"{r['tokens_per_s']:.1f} ({report.fmt_speedup(spd)})" + (" *" if chosen else ""))
+        lines.append(cells)
+    return report.format_table(headers, lines)
+
+
+def best_table(best: dict) -> str:
+    rows = []
+    for bs, e in best.items():
+        tree = tree_key(e) if e.get("speculation") else "vanilla (no speculation)"
+        rows.append([bs, tree, e.get("tokens_per_s"), report.fmt_speedup(e.get("speedup")),
+                     report.fmt_num(e.get("accept_length"))])
+    return report.format_table(["batch size", "best", "tok/s", "speed-up", "accept len"], rows,
+                               align=["r", "l", "r", "r", "r"])
+
+
+def plot_grid(rows: list[dict], best: dict, path: str) -> str:
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    groups = _by_batch_size(rows)
+    trees = sorted({tree_key(r["tree"]) for r in rows}, key=lambda k: (k != "vanilla", k))
+    val = np.full((len(trees), len(groups)), np.nan)
+    for j, (bs, (van, specs)) in enumerate(groups.items()):
+        for r in ([van] if van else []) + specs:
+            val[trees.index(tree_key(r["tree"])), j] = (r["tokens_per_s"] / van["tokens_per_s"]) if van \
+                else r["tokens_per_s"]
+    fig, (ax,) = report.subplots(1, 1, figsize=(2.0 + 1.3 * len(groups), 1.2 + 0.32 * len(trees)))
+    finite = val[np.isfinite(val)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.5, 1.5)
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01))
+    im = ax.imshow(val, cmap="RdYlGn", norm=norm, aspect="auto")
+    for i in range(len(trees)):
+        for j, bs in enumerate(groups):
+            if np.isfinite(val[i, j]):
+                b = best.get(str(bs), {})
+                mark = "*" if trees[i] == tree_key(b if b.get("speculation") else None) else ""
+                ax.text(j, i, f"{val[i, j]:.2f}{mark}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(groups)), [f"bs={b}" for b in groups])
+    ax.set_yticks(range(len(trees)), trees, fontsize=7)
+    ax.set_title("speed-up over vanilla (* = chosen)")
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    return report.save_figure(fig, path)
+
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..generate_cli import DTYPES
+    from ..prompts import data_dir
+    p = argparse.ArgumentParser(prog="tune_spec.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2); "
+                                                       "with --sglang-url only its tokenizer is used")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (engine backend)")
+    p.add_argument("--sglang-url", default=None, help="measure a running SGLang server instead (its current tree)")
+    p.add_argument("--dataset", default="mt_bench", help="eval set name under $EAGLE3_DATA/eval or a .jsonl path")
+    p.add_argument("--data", default=data_dir())
+    p.add_argument("--n", type=int, default=4, help="prompts per measurement (rounded up to whole batches)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="decode exactly max-new-tokens per prompt")
+    p.add_argument("--batch-sizes", default="1,2,4")
+    p.add_argument("--num-steps-grid", default="1,3,5")
+    p.add_argument("--topk-grid", default="1,2,4")
+    p.add_argument("--num-draft-tokens-grid", default="4,8,16", help="capped at what each (steps, topk) can draft")
+    p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median tokens/s is kept")
+    p.add_argument("--min-speedup", type=float, default=1.0,
+                   help="speculate at a batch size only if the best tree beats vanilla by this factor")
+    p.add_argument("--adaptive-tolerance", type=float, default=0.05,
+                   help="chain lengths within this fraction of the best chain become SGLang candidate_steps")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per SGLang request")
+    p.add_argument("--out", required=True, help="profile JSON; .grid.json/.md/.png are written next to it")
+    p.add_argument("--adaptive-out", default=None, help="SGLang adaptive config (default PROFILE.sglang_adaptive.json)")
+    p.add_argument("--fresh", action="store_true", help="drop the measurements already in PROFILE.grid.json")
+    return p
+
+
+def _load_grid(path: str, setup: dict, fresh: bool) -> list[dict]:
+    if fresh or not os.path.isfile(path):
+        return []
+    old = report.read_json(path)
+    if old.get("format") != GRID_FORMAT or old.get("setup") != setup:
+        print(f"note: {path} holds measurements made with other settings; starting over", file=sys.stderr)
+        return []
+    return list(old.get("rows", []))
+
+
+def _differs(best: dict, adaptive: dict | None) -> list[int]:
+    """Batch sizes where the adaptive file cannot say what the profile chose."""
+    out = []
+    for bs, e in best.items():
+        steps = (adaptive or {}).get(bs, {}).get("candidate_steps")
+        same = (steps == [0]) if not e.get("speculation") else (steps is not None and e["topk"] == 1
+                                                                and e["num_steps"] in steps)
+        if not same:
+            out.append(int(bs))
+    return out
+
+
+def run(argv=None) -> int:
+    import torch
+    from ..cli import UserError
+    from ..generate_cli import resolve_target, shipped_draft
+    from ..prompts import load_prompts
+    from .acceptance import resolve_sets
+    from .measure import measure_engine, measure_server
+
+    a = build_parser().parse_args(argv)
+    a.batch_sizes = parse_ints(a.batch_sizes, "--batch-sizes")
+    a.steps, a.topks = parse_ints(a.num_steps_grid, "--num-steps-grid"), parse_ints(a.topk_grid, "--topk-grid")
+    a.ndts = parse_ints(a.num_draft_tokens_grid, "--num-draft-tokens-grid")
+    for flag, v, lo in (("--n", a.n, 1), ("--repeats", a.repeats, 1), ("--min-speedup", a.min_speedup, 0)):
+        if v < lo:
+            raise UserError(f"{flag} must be >= {lo}, got {v}")
+    if not 0 <= a.adaptive_tolerance < 1:
+        raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    (dataset,) = resolve_sets([a.dataset], a.data).values()
+    prompts = [t[0] for t in load_prompts(dataset, limit=max(a.n, max(a.batch_sizes)))]
+    setup = {"dataset": os.path.abspath(dataset), "n": a.n, "max_new_tokens": a.max_new_tokens,
+             "temperature": a.temperature, "seed": a.seed if a.temperature > 0 else None, "ignore_eos": a.ignore_eos}
+    if a.sglang_url:
+        setup.update(backend="sglang", url=a.sglang_url)
+    else:
+        a.target = resolve_target(a.target)
+        a.draft = a.draft or shipped_draft()
+        if not a.draft or a.draft == "none" or not os.path.isdir(a.draft):
+            raise UserError(f"--draft {a.draft}: need an EAGLE-3 draft folder (`eagle3 init-draft` makes a random one)")
+        setup.update(backend="engine", target=os.path.abspath(a.target), draft=os.path.abspath(a.draft),
+                     dtype=a.dtype, threads=torch.get_num_threads())
+    grid_path = report.sibling(a.out, ".grid.json")
+    rows = _load_grid(grid_path, setup, a.fresh)
+    state = {"format": GRID_FORMAT, "setup": setup, "rows": rows, "meta": report.run_metadata()}
+
+    def on_rows(new):                                   # replace same (batch size, tree), keep the rest
+        keys = {(r["batch_size"], tree_key(r["tree"])) for r in new}
+        state["rows"] = [r for r in state["rows"] if (r["batch_size"], tree_key(r["tree"])) not in keys] + new
+        report.write_json_atomic(grid_path, state)
+
+    if a.sglang_url:
+        from .sglang_client import ServerError
+        try:
+            where = measure_server(a, prompts, on_rows)
+        except ServerError as e:
+            raise UserError(str(e)) from None
+    else:
+        where = measure_engine(a, prompts, {(r["batch_size"], tree_key(r["tree"])) for r in rows}, on_rows)
+    rows = sorted(state["rows"], key=lambda r: (r["batch_size"], tree_key(r["tree"])))
+
+    best = select_best(rows, a.min_speedup)
+    adaptive_path = a.adaptive_out or report.sibling(a.out, ".sglang_adaptive.json")
+    try:
+        adaptive = adaptive_config(rows, a.min_speedup, a.adaptive_tolerance)
+        report.write_json_atomic(adaptive_path, adaptive)
+        note = ADAPTIVE_NOTE
+    except ProfileError as e:
+        adaptive, note = None, str(e)
+    profile = {"format": PROFILE_FORMAT, "target": where.get("target"), "draft": where.get("draft"),
+               "backend": where["backend"], "dtype": where.get("dtype"), "dataset": setup["dataset"],
+               "temperature": a.temperature, "max_new_tokens": a.max_new_tokens, "min_speedup": a.min_speedup,
+               "per_batch_size": best,
+               "sglang_adaptive": {"path": os.path.abspath(adaptive_path) if adaptive else None, "note": note,
+                                   "differs_from_profile_at_batch_sizes": _differs(best, adaptive)},
+               "launch_flags": launch_flags(best, os.path.abspath(adaptive_path), adaptive),
+               "meta": report.run_metadata()}
+    report.write_json_atomic(a.out, profile)
+    text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
+            f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
+            f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
+            f"{best_table(best)}\n")
+    checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
+    if checked:
+        text += f"\nGreedy outputs identical to vanilla in {sum(checked)}/{len(checked)} speculative runs.\n"
+    if adaptive:
+        steps = ", ".join(f"bs {k}: {v['candidate_steps']}" for k, v in adaptive.items() if k.isdigit())
+        text += f"\nSGLang adaptive candidate_steps: {steps}\n"
+    md = report.write_text_atomic(report.sibling(a.out, ".md"), text)
+    png = plot_grid(rows, best, report.sibling(a.out, ".png"))
+    print(text)
+    print(f"wrote {os.path.abspath(a.out)}\n      {grid_path}\n      {md}\n      {png}"
+          + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})"))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("tune_spec", run, argv, extra_errors=(ProfileError,))

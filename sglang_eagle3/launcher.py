@@ -1,0 +1,237 @@
+"""`eagle3 serve` and serve/launch_server.py: SGLang's server with an EAGLE-3 draft, one command.
+
+    eagle3 serve --target T --draft D [--profile tuned.json] [--batch-size B] [--dry-run] [SGLang flags...]
+
+runs the draft check (`check_draft`) and then
+
+    python -m sglang.launch_server --model-path T --speculative-algorithm EAGLE3
+        --speculative-draft-model-path D --speculative-num-steps S --speculative-eagle-topk K
+        --speculative-num-draft-tokens N --attention-backend flashinfer
+        --cuda-graph-max-bs-decode B --max-running-requests B [SGLang flags...]
+
+S, K, N come from the profile entry for the expected batch size B (profile format, as written by
+`bench/tune`: {"per_batch_size": {"1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16}, "8": {...}}};
+an entry {"speculation": false} launches without a draft), or from --num-steps/--topk/--num-draft-tokens,
+which win over the profile. Flags this command does not know are passed to SGLang unchanged.
+(SGLang 0.5.23 split `--cuda-graph-max-bs` into -decode and -prefill; the decode one is set.)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from typing import Optional
+
+from .cli import UserError
+from .config import SpecConfig
+
+DEFAULT_SPEC = SpecConfig()
+# SGLang flags this command composes; passing them through as well would be ambiguous.
+COMPOSED_FLAGS = {
+    "--model-path": "--target", "--model": "--target",
+    "--speculative-algorithm": None,
+    "--speculative-draft-model-path": "--draft", "--speculative-draft-model": "--draft",
+    "--speculative-num-steps": "--num-steps", "--speculative-eagle-topk": "--topk",
+    "--speculative-num-draft-tokens": "--num-draft-tokens",
+    "--attention-backend": "--attention-backend", "--cuda-graph-max-bs-decode": "--cuda-graph-max-bs",
+    "--speculative-adaptive": "--adaptive", "--speculative-adaptive-config": "--adaptive",
+}
+EMBEDDED_HINT = ("without a GPU, run the embedded engine instead: "
+                 "eagle3 generate --target {target} --draft {draft} --prompt '...'")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target HF folder or hub id (SGLang --model-path); "
+                                                   "'testbed' = the embedded SmolLM2")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft folder or hub id")
+    p.add_argument("--profile", default=None, help='tuned tree shapes: {"per_batch_size": {"1": {"num_steps": .., '
+                                                   '"topk": .., "num_draft_tokens": ..}, ...}}')
+    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=1,
+                   help="expected concurrent requests: picks the profile entry, sets SGLang's "
+                        "--max-running-requests and --cuda-graph-max-bs-decode (default 1)")
+    p.add_argument("--num-steps", type=int, default=None, help=f"tree depth (default: profile, else "
+                                                               f"{DEFAULT_SPEC.num_steps})")
+    p.add_argument("--topk", type=int, default=None, help=f"branching per step (default: profile, else "
+                                                          f"{DEFAULT_SPEC.topk})")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"tokens verified per step (default: profile, else {DEFAULT_SPEC.num_draft_tokens})")
+    p.add_argument("--attention-backend", default="flashinfer", help="SGLang attention backend (default flashinfer)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
+                                                                       "graph (default: --batch-size)")
+    p.add_argument("--adaptive", nargs="?", const="", default=None, metavar="CONFIG",
+                   help="let SGLang adapt num_steps at run time (--speculative-adaptive; needs topk 1), "
+                        "optionally with its adaptive config JSON")
+    p.add_argument("--skip-check", action="store_true", help="do not run check-draft first")
+    p.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
+
+
+# ---- tree shape ---------------------------------------------------------------------------------------
+def resolve_spec(args) -> tuple[Optional[SpecConfig], str]:
+    """Tree shape for this launch (None = serve without speculation) and a note on where it came from.
+
+    The profile is read by `bench.tune.load_profile`, which routes a batch size without its own entry to
+    the largest profiled one below it (else the smallest), as SGLang does for its adaptive config.
+    """
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    base, source = DEFAULT_SPEC, "defaults"
+    if args.profile:
+        from .bench.tune import ProfileError, load_profile
+        try:
+            base = load_profile(args.profile, args.batch_size)
+        except (ProfileError, FileNotFoundError) as e:
+            raise UserError(f"--profile: {e}") from None
+        source = f"{args.profile} at batch size {args.batch_size}"
+    explicit = {k: getattr(args, k) for k in ("num_steps", "topk", "num_draft_tokens") if getattr(args, k) is not None}
+    if base is None and not explicit:
+        return None, source + " (vanilla decoding measured at least as fast: no speculation)"
+    base = base or DEFAULT_SPEC
+    if explicit:
+        source += " + " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in explicit.items())
+    values = {"num_steps": base.num_steps, "topk": base.topk, "num_draft_tokens": base.num_draft_tokens, **explicit}
+    return SpecConfig(**values), source
+
+
+# ---- command --------------------------------------------------------------------------------------------
+def check_passthrough(extra: list[str]) -> None:
+    for token in extra:
+        flag = token.split("=", 1)[0]
+        if flag in COMPOSED_FLAGS:
+            ours = COMPOSED_FLAGS[flag]
+            raise UserError(f"{flag} is set by this command" + (f"; use {ours}" if ours else ""))
+
+
+def build_command(args, spec: Optional[SpecConfig], extra: list[str], python: Optional[str] = None) -> list[str]:
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", args.target]
+    if spec is not None:
+        cmd += ["--speculative-algorithm", "EAGLE3",
+                "--speculative-draft-model-path", args.draft,
+                "--speculative-num-steps", str(spec.num_steps),
+                "--speculative-eagle-topk", str(spec.topk),
+                "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
+    cmd += ["--attention-backend", args.attention_backend,
+            "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs or args.batch_size),
+            "--max-running-requests", str(args.batch_size)]
+    if args.adaptive is not None and spec is not None:
+        cmd.append("--speculative-adaptive")
+        if args.adaptive:
+            cmd += ["--speculative-adaptive-config", args.adaptive]
+    return cmd + list(extra)
+
+
+def check_adaptive(args, spec: Optional[SpecConfig]) -> None:
+    if args.adaptive is None or spec is None:
+        return
+    if spec.topk != 1:
+        raise UserError(f"--adaptive needs topk 1 (SGLang adapts chains only), got topk {spec.topk}")
+    if args.adaptive:
+        if not os.path.isfile(args.adaptive):
+            raise UserError(f"--adaptive {args.adaptive}: no such file")
+        if importlib.util.find_spec("sglang") is not None:
+            from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+            try:
+                resolve_candidate_steps_from_config(args.adaptive)
+            except (ValueError, KeyError, json.JSONDecodeError) as e:
+                raise UserError(f"--adaptive {args.adaptive}: {e}") from None
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def run_draft_check(target: str, draft: str) -> None:
+    """check-draft before any GPU work; raises UserError listing the errors."""
+    from .check_draft import ERROR, WARN, check_draft, format_table
+    if not os.path.isdir(draft):
+        if looks_local(draft):
+            raise UserError(f"--draft {draft}: no such folder")
+        print(f"eagle3 serve: {draft} is a hub id; check-draft skipped (the sglang_eagle3 SGLang plugin still "
+              "checks its config at start-up)", file=sys.stderr)
+        return
+    findings = check_draft(draft, target)
+    errors = [f for f in findings if f.status == ERROR]
+    warnings = [f for f in findings if f.status == WARN]
+    if warnings or errors:
+        print(format_table(errors + warnings), file=sys.stderr)
+    if errors:
+        raise UserError(f"draft {draft} failed {len(errors)} check(s) against {target} (table above); "
+                        "SGLang would not load it or would serve it at acceptance length ~1.0 "
+                        "(--skip-check to launch anyway)")
+
+
+def check_runtime(args) -> None:
+    """SGLang and a GPU are needed to serve; say so in one line, with the CPU alternative."""
+    hint = EMBEDDED_HINT.format(target=args.target, draft=args.draft)
+    if importlib.util.find_spec("sglang") is None:
+        raise UserError("SGLang is not installed (on a CUDA machine: pip install 'sglang[all]==0.5.23'); " + hint)
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError("no CUDA GPU visible; SGLang's EAGLE-3 server needs one; " + hint)
+
+
+def serve(args, extra: Optional[list[str]] = None) -> int:
+    extra = list(extra if extra is not None else getattr(args, "sglang_args", []))
+    check_passthrough(extra)
+    if args.target == "testbed":
+        from .testbed import prepare
+        args.target = prepare()
+    spec, source = resolve_spec(args)
+    check_adaptive(args, spec)
+    if not args.skip_check and spec is not None:
+        run_draft_check(args.target, args.draft)
+    cmd = build_command(args, spec, extra)
+    tree = (f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens}"
+            if spec is not None else "no speculation")
+    if args.dry_run:
+        print(f"eagle3 serve: {tree} from {source}", file=sys.stderr)
+        print(shlex.join(cmd))
+        return 0
+    check_runtime(args)
+    print(f"eagle3 serve: {tree} from {source}\n{shlex.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- entry points ---------------------------------------------------------------------------------------
+class PassThroughParser(argparse.ArgumentParser):
+    """Flags it does not know are SGLang's: kept, in order, in `args.sglang_args` instead of failing."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.sglang_args = rest
+        return namespace, []
+
+
+def _cli(args) -> int:
+    return serve(args)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("serve", help="launch SGLang's server with an EAGLE-3 draft (check, tuned tree, CUDA graphs)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False, epilog="Other flags (e.g. --port 30000 --tp-size 2) go to SGLang.")
+    p.__class__ = PassThroughParser          # the `eagle3` parser rejects unknown flags otherwise
+    add_arguments(p)
+    p.set_defaults(func=_cli)
+
+
+def main(argv=None) -> int:
+    """serve/launch_server.py: same flags as `eagle3 serve`; unknown flags go to SGLang."""
+    from .config import ConfigError
+    from .draft import CheckpointError
+    p = PassThroughParser(prog="launch_server.py", description=__doc__, allow_abbrev=False,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    extra = args.sglang_args
+    try:
+        return serve(args, extra)
+    except (UserError, ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"launch_server.py: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,325 @@
+"""bench/bench_acceptance.py and bench/tune_spec.py end to end on a tiny random target, the profile loader,
+SGLang's adaptive-config parser on what we write, a fake SGLang server, and the report helpers."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from conftest import save_tiny_model_folder
+from sglang_eagle3.bench import report
+from sglang_eagle3.bench.acceptance import main as acceptance_main
+from sglang_eagle3.bench.tune import ProfileError, adaptive_config, load_profile, select_best, tree_grid
+from sglang_eagle3.bench.tune import main as tune_main
+from sglang_eagle3.cli import main as eagle3_main
+from sglang_eagle3.config import SpecConfig
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+EVAL = {"mt_bench": [{"turns": ["w1 w2 w3", "w4 w5"]}, {"turns": ["w6 w7", "w8 w9 w10"]}],
+        "gsm8k": [{"turns": ["w11 w12"]}, {"turns": ["w13 w14 w15"]}],
+        "alpaca": [{"turns": ["w16"]}, {"turns": ["w17 w18"]}]}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = save_tiny_model_folder(root / "target")
+    assert eagle3_main(["init-draft", "--target", target, "--out", str(root / "draft"), "--draft-vocab-size", "48",
+                        "--dtype", "float32"]) == 0
+    (root / "data" / "eval").mkdir(parents=True)
+    for name, rows in EVAL.items():
+        (root / "data" / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"target": target, "draft": str(root / "draft"), "data": str(root / "data")}
+
+
+@pytest.fixture(autouse=True)
+def keep_threads(monkeypatch, env):
+    """The scripts take --threads 1 (fast for tiny models on a busy machine); restore the suite's setting."""
+    n = torch.get_num_threads()
+    monkeypatch.setenv("EAGLE3_DATA", env["data"])
+    yield
+    torch.set_num_threads(n)
+
+
+def acceptance(env, out, *extra):
+    return acceptance_main(["--target", env["target"], "--draft", env["draft"], "--n", "2", "--max-new-tokens", "6",
+                            "--ignore-eos", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
+                            "--threads", "1", "--out", str(out), *extra])
+
+
+# ---- bench_acceptance --------------------------------------------------------------------------
+
+
+def test_acceptance_end_to_end(env, tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    assert acceptance(env, out, "--datasets", "mt_bench,gsm8k") == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["format"] == "sglang_eagle3.bench_acceptance/1" and list(res["sets"]) == ["mt_bench", "gsm8k"]
+    assert res["config"]["spec"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    for name, s in res["sets"].items():
+        turns = 2 if name == "mt_bench" else 1
+        assert s["n_prompts"] == 2 and s["tokens_vanilla"] == s["tokens_spec"] == 2 * turns * 6
+        assert s["identical_to_vanilla"] == 2                        # greedy speculative == vanilla (fp32)
+        assert all(p["identical"] and p["turns"] == turns for p in s["per_prompt"])
+        assert [p["spec_first"] for p in s["per_prompt"]] == [False, True]   # alternated order
+        assert sum(s["accept_histogram"].values()) == s["decode_steps"] > 0
+        assert sum(int(k) * v for k, v in s["accept_histogram"].items()) == s["tau"] * s["decode_steps"]
+        assert 1.0 <= s["tau"] <= 4.0                                # at most num_steps + 1 per step
+        for key in ("speedup_median", "speedup_total", "tokens_per_s_vanilla", "tokens_per_s_spec"):
+            assert s[key] > 0
+        assert s["speedup_total"] == pytest.approx(s["tokens_per_s_spec"] / s["tokens_per_s_vanilla"])
+    assert res["average"]["tau"] == pytest.approx((res["sets"]["mt_bench"]["tau"] + res["sets"]["gsm8k"]["tau"]) / 2)
+    md = (tmp_path / "acc.md").read_text()
+    rows = report.parse_markdown_table(md)
+    assert rows[0][:3] == ["Set", "Speed-up", "τ"] and [r[0] for r in rows[1:]] == ["MT-bench", "GSM8K", "Average"]
+    assert rows[-1][2] == f"{res['average']['tau']:.2f}" and rows[1][1].endswith("x")
+    assert report.parse_markdown_table(printed) == rows
+    assert (tmp_path / "acc_hist.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_acceptance_resumes_finished_sets(env, tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    assert acceptance(env, out, "--datasets", "gsm8k") == 0
+    first = json.loads(out.read_text())["sets"]["gsm8k"]
+    assert acceptance(env, out, "--datasets", "gsm8k,alpaca") == 0
+    res = json.loads(out.read_text())
+    assert res["sets"]["gsm8k"] == first and res["sets"]["alpaca"]["n_prompts"] == 2   # reused, not re-timed
+    assert acceptance(env, out, "--datasets", "gsm8k", "--max-new-tokens", "4") == 0   # other settings: redo
+    assert json.loads(out.read_text())["sets"]["gsm8k"]["tokens_spec"] == 2 * 4
+
+
+def test_acceptance_sampling(env, tmp_path, capsys):
+    out = tmp_path / "t1.json"
+    assert acceptance(env, out, "--datasets", "mt_bench", "--temperature", "1", "--seed", "3") == 0
+    res = json.loads(out.read_text())
+    s = res["sets"]["mt_bench"]
+    assert res["config"]["seed"] == 3 and "identical_to_vanilla" not in s and s["tau"] >= 1
+    assert "Greedy outputs identical" not in (tmp_path / "t1.md").read_text()
+
+
+def test_acceptance_bad_inputs(env, tmp_path, capsys):
+    assert acceptance(env, tmp_path / "x.json", "--datasets", "nope") == 2
+    err = capsys.readouterr().err
+    assert "nope.jsonl does not exist" in err and "available: alpaca, gsm8k, mt_bench" in err
+    assert err.count("\n") == 1
+    assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--topk", "4", "--num-steps", "1",
+                      "--num-draft-tokens", "9") == 2
+    assert "--num-draft-tokens=9 exceeds" in capsys.readouterr().err
+
+
+# ---- tune_spec: our engine -----------------------------------------------------------------------
+
+
+def test_tune_engine_end_to_end(env, tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    argv = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2",
+            "--max-new-tokens", "6", "--ignore-eos", "--batch-sizes", "1,2", "--num-steps-grid", "1,3",
+            "--topk-grid", "1,2", "--num-draft-tokens-grid", "4,6", "--threads", "1", "--out", str(out)]
+    assert tune_main(argv) == 0
+    printed = capsys.readouterr().out
+    trees = tree_grid([1, 3], [1, 2], [4, 6])
+    assert {(t["num_steps"], t["topk"], t["num_draft_tokens"]) for t in trees} == \
+        {(1, 1, 2), (1, 2, 3), (3, 1, 4), (3, 2, 4), (3, 2, 6)}
+    grid = json.loads((tmp_path / "prof.grid.json").read_text())
+    assert len(grid["rows"]) == 2 * (1 + len(trees))
+    spec_rows = [r for r in grid["rows"] if r["tree"] is not None]
+    assert all(r["identical_to_vanilla"] is True and r["accept_length"] >= 1 for r in spec_rows)
+    assert all(r["tokens"] == 2 * 6 and r["tokens_per_s"] > 0 for r in grid["rows"])
+    prof = json.loads(out.read_text())
+    assert prof["format"] == "sglang_eagle3.spec_profile/1" and set(prof["per_batch_size"]) == {"1", "2"}
+    assert prof["per_batch_size"] == select_best(grid["rows"])
+    adaptive = json.loads((tmp_path / "prof.sglang_adaptive.json").read_text())
+    assert set(k for k in adaptive if k.isdigit()) == {"1", "2"}
+    assert prof["sglang_adaptive"]["path"] == str(tmp_path / "prof.sglang_adaptive.json")
+    for bs in (1, 2):
+        entry, spec = prof["per_batch_size"][str(bs)], load_profile(str(out), bs)
+        if entry["speculation"]:
+            assert spec == SpecConfig(entry["num_steps"], entry["topk"], entry["num_draft_tokens"])
+            assert entry["speedup"] >= 1.0
+        else:
+            assert spec is None and entry["best_tree"]["speedup"] < 1.0
+    assert "Best per batch size" in printed and "Greedy outputs identical to vanilla in 10/10" in printed
+    assert (tmp_path / "prof.png").read_bytes()[:8] == PNG_MAGIC
+    assert report.parse_markdown_table((tmp_path / "prof.md").read_text())[0] == ["tree", "bs=1", "bs=2"]
+    # resume: nothing left to measure, same rows back
+    assert tune_main(argv) == 0
+    assert json.loads((tmp_path / "prof.grid.json").read_text())["rows"] == grid["rows"]
+
+
+# ---- selection, adaptive config and the loader (synthetic measurements) ---------------------------
+
+
+def row(bs, tps, steps=None, topk=1, ndt=None):
+    tree = None if steps is None else {"num_steps": steps, "topk": topk,
+                                       "num_draft_tokens": ndt or (steps + 1 if topk == 1 else 8)}
+    return {"batch_size": bs, "tree": tree, "tokens_per_s": tps, "accept_length": None if tree is None else 2.0}
+
+
+ROWS = [row(1, 100), row(1, 180, 3), row(1, 175, 5), row(1, 150, 1), row(1, 200, 3, topk=4, ndt=16),
+        row(4, 300), row(4, 330, 1), row(4, 290, 3),
+        row(16, 800), row(16, 600, 1), row(16, 500, 3, topk=2, ndt=6)]
+
+
+def test_select_best_and_adaptive_config():
+    best = select_best(ROWS)
+    assert best["1"]["speculation"] and (best["1"]["topk"], best["1"]["num_draft_tokens"]) == (4, 16)
+    assert best["1"]["speedup"] == pytest.approx(2.0)
+    assert best["4"]["speculation"] and best["4"]["num_steps"] == 1
+    assert best["16"] == {"speculation": False, "tokens_per_s": 800, "speedup": 1.0,
+                          "best_tree": {"num_steps": 1, "topk": 1, "num_draft_tokens": 2, "tokens_per_s": 600,
+                                        "speedup": 0.75}}
+    assert select_best(ROWS, min_speedup=1.2)["4"]["speculation"] is False
+    ad = adaptive_config(ROWS, tolerance=0.05)
+    assert ad["1"] == {"candidate_steps": [3, 5]}          # chains within 5% of the best chain (180)
+    assert ad["4"] == {"candidate_steps": [0, 1]}          # vanilla (300) within 5% of the best chain (330)
+    assert ad["16"] == {"candidate_steps": [0]}            # no speculation
+    assert "topk=1 chains only" in ad["_comment"]
+    with pytest.raises(ProfileError, match="topk"):
+        adaptive_config([row(1, 100), row(1, 150, 3, topk=2)])
+
+
+def test_load_profile_routing_and_errors(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"per_batch_size": select_best(ROWS)}))
+    assert load_profile(str(path), 1) == SpecConfig(3, 4, 16)
+    assert load_profile(str(path), 3) == SpecConfig(3, 4, 16)     # largest measured batch size below
+    assert load_profile(str(path), 4) == SpecConfig(1, 1, 2)
+    assert load_profile(str(path), 64) is None                    # speculation: false
+    path.write_text(json.dumps({"per_batch_size": {"2": None, "8": {"num_steps": 2, "topk": 1,
+                                                                    "num_draft_tokens": 3}}}))
+    assert load_profile(str(path), 1) is None and load_profile(str(path), 9) == SpecConfig(2, 1, 3)
+    with pytest.raises(FileNotFoundError, match="tune_spec"):
+        load_profile(str(tmp_path / "missing.json"), 1)
+    for text, msg in [("{oops", "not valid JSON"), ('{"per_batch_size": {"a": {}}}', "integer batch-size keys"),
+                      ('{"per_batch_size": {"1": {"num_steps": 2}}}', r"per_batch_size\[1\]"),
+                      ('{"per_batch_size": {"1": {"num_steps": 1, "topk": 4, "num_draft_tokens": 9}}}', "exceeds")]:
+        path.write_text(text)
+        with pytest.raises(ProfileError, match=msg):
+            load_profile(str(path), 1)
+
+
+def test_adaptive_config_accepted_by_sglang(tmp_path):
+    asp = pytest.importorskip("sglang.srt.speculative.adaptive_spec_params",
+                              reason="SGLang is not installed")
+    path = tmp_path / "adaptive.json"
+    report.write_json_atomic(str(path), adaptive_config(ROWS))
+    cfg, slots = asp._load_adaptive_config(str(path))
+    assert sorted(slots) == [1, 4, 16]
+    assert asp.resolve_candidate_steps_from_config(str(path)) == [0, 1, 3, 5]
+    params = asp.AdaptiveSpeculativeParams(initial_steps=3, cfg_path=str(path))
+    assert params.get_steps_for_batch(1) == 3 and params.get_steps_for_batch(2) == 3   # bs 2 routes to slot 1
+    assert params.get_steps_for_batch(16) == 0 and params.get_steps_for_batch(100) == 0
+    for _ in range(40):                                 # a slot holding only 0 never starts speculating
+        params.on_verify_complete([0, 0], batch_size=16)
+    assert params.get_steps_for_batch(16) == 0
+
+
+# ---- tune_spec: a SGLang server (fake, same response fields) ----------------------------------------
+
+
+class FakeSGLang(BaseHTTPRequestHandler):
+    tree = None                    # (steps, topk, ndt) or None
+    delay = {}                     # batch size -> seconds per request
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        t = type(self).tree
+        self._send({"model_path": "/models/tiny", "speculative_algorithm": "EAGLE3" if t else None,
+                    "speculative_draft_model_path": "/models/draft" if t else None,
+                    "speculative_num_steps": t and t[0], "speculative_eagle_topk": t and t[1],
+                    "speculative_num_draft_tokens": t and t[2], "speculative_adaptive": False})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/flush_cache":
+            return self._send({})
+        texts, n = body["text"], body["sampling_params"]["max_new_tokens"]
+        time.sleep(type(self).delay.get(len(texts), 0.0))
+        meta = {"completion_tokens": n}
+        if type(self).tree:
+            meta.update(spec_verify_ct=n // 2, spec_accept_length=2.0)
+        self._send([{"text": "x", "meta_info": meta} for _ in texts])
+
+
+@pytest.fixture
+def fake_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeSGLang)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_tune_against_sglang_server(env, tmp_path, fake_server, capsys):
+    _, url = fake_server
+    out = tmp_path / "srv.json"
+    argv = ["--sglang-url", url, "--target", env["target"], "--dataset", "gsm8k", "--n", "2",
+            "--max-new-tokens", "8", "--batch-sizes", "1,2", "--out", str(out)]
+    FakeSGLang.tree, FakeSGLang.delay = None, {1: 0.08, 2: 0.08}          # launch 1: no speculation
+    assert tune_main(argv) == 0
+    first = json.loads(out.read_text())
+    assert first["per_batch_size"]["1"]["speculation"] is False and first["sglang_adaptive"]["path"] is None
+    FakeSGLang.tree, FakeSGLang.delay = (3, 1, 4), {1: 0.02, 2: 0.4}      # launch 2: a chain, fast at bs 1 only
+    assert tune_main(argv) == 0
+    grid = json.loads((tmp_path / "srv.grid.json").read_text())
+    assert grid["setup"]["backend"] == "sglang" and len(grid["rows"]) == 4
+    assert {r["accept_length"] for r in grid["rows"] if r["tree"]} == {2.0}
+    prof = json.loads(out.read_text())
+    assert prof["per_batch_size"]["1"]["speculation"] and prof["per_batch_size"]["1"]["num_steps"] == 3
+    assert prof["per_batch_size"]["2"]["speculation"] is False
+    assert json.loads((tmp_path / "srv.sglang_adaptive.json").read_text())["2"] == {"candidate_steps": [0]}
+    assert load_profile(str(out), 1) == SpecConfig(3, 1, 4) and load_profile(str(out), 2) is None
+    FakeSGLang.tree = None
+    capsys.readouterr()
+
+
+def test_tune_refuses_adaptive_server(env, tmp_path, fake_server, capsys, monkeypatch):
+    _, url = fake_server
+    monkeypatch.setattr(FakeSGLang, "do_GET", lambda self: self._send(
+        {"speculative_algorithm": "EAGLE3", "speculative_adaptive": True}))
+    assert tune_main(["--sglang-url", url, "--dataset", "gsm8k", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--speculative-adaptive" in capsys.readouterr().err
+
+
+def test_tune_unreachable_server(env, tmp_path, capsys):
+    assert tune_main(["--sglang-url", "http://127.0.0.1:9", "--dataset", "gsm8k", "--timeout", "5",
+                      "--out", str(tmp_path / "p.json")]) == 2
+    assert "cannot reach the SGLang server" in capsys.readouterr().err
+
+
+# ---- report helpers --------------------------------------------------------------------------------
+
+
+def test_tables_and_atomic_files(tmp_path):
+    headers, rows = ["set", "speed-up", "tau"], [["a", "1.50x", 2.345], ["bb", None, 1.0]]
+    md = report.format_table(headers, rows)
+    assert report.parse_markdown_table(md) == [headers, ["a", "1.50x", "2.35"], ["bb", "-", "1.00"]]
+    assert md.splitlines()[1].startswith("| --") and md.splitlines()[1].endswith(":|")
+    plain = report.format_table(headers, rows, style="plain").splitlines()
+    assert plain[0].split() == headers and plain[2].split() == ["a", "1.50x", "2.35"]
+    with pytest.raises(ValueError, match="row 1"):
+        report.format_table(headers, [["only", "two"]])
+    path = tmp_path / "sub" / "r.json"
+    report.write_json_atomic(str(path), {"x": torch.tensor(3).item(), "y": [1.5]})
+    assert json.loads(path.read_text()) == {"x": 3, "y": [1.5]} and os.listdir(path.parent) == ["r.json"]
+    with pytest.raises(ValueError):
+        report.write_json_atomic(str(path), {"bad": float("nan")})
+    assert json.loads(path.read_text()) == {"x": 3, "y": [1.5]}            # a failed write leaves the old file
+    assert os.listdir(path.parent) == ["r.json"]
+    assert report.sibling("a/b.json", ".md") == "a/b.md" and report.sibling("a/b", "_h.png") == "a/b_h.png"

@@ -1,0 +1,193 @@
+"""`eagle3 serve` / serve/launch_server.py: composed SGLang command lines and error paths.
+
+Every composed command is parsed by SGLang's own server-args parser (`prepare_server_args` =
+`ServerArgs.add_cli_args` + `ServerArgs.from_cli_args`) when SGLang is installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_hf_model
+
+from sglang_eagle3 import launcher
+from sglang_eagle3.cli import main as eagle3_main
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILE = {"per_batch_size": {"1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
+                              "8": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+                              "32": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch")
+    hf = tiny_hf_model("llama", vocab_size=96)
+    hf.save_pretrained(root / "target")
+    draft = Eagle3DraftModel(Eagle3Config.for_target(hf.config, draft_vocab_size=32))
+    draft.set_vocab_mapping(torch.randperm(96)[:32])
+    draft.save_pretrained(str(root / "draft"))
+    other = tiny_hf_model("llama", vocab_size=128)
+    Eagle3DraftModel(Eagle3Config.for_target(other.config)).save_pretrained(str(root / "bad_draft"))
+    (root / "profile.json").write_text(json.dumps(PROFILE))
+    return {k: str(root / k) for k in ("target", "draft", "bad_draft", "profile.json")}
+
+
+def dry_run(capsys, *argv) -> list[str]:
+    assert launcher.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
+    return shlex.split(capsys.readouterr().out.strip())
+
+
+def sglang_parse(cmd: list[str]):
+    """SGLang's real parser on the arguments after `python -m sglang.launch_server`."""
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    from sglang.srt.server_args import prepare_server_args
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    return prepare_server_args(cmd[3:])
+
+
+def base(folders, *more):
+    return ["--target", folders["target"], "--draft", folders["draft"], *more]
+
+
+# ---- composed commands ------------------------------------------------------------------------------
+def test_default_command_parses_in_sglang(capsys, folders):
+    cmd = dry_run(capsys, *base(folders, "--port", "30001", "--tp-size", "1", "--mem-fraction-static", "0.8"))
+    args = sglang_parse(cmd)
+    assert (args.model_path, args.speculative_draft_model_path) == (folders["target"], folders["draft"])
+    assert args.speculative_algorithm == "EAGLE3"
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 4, 16)
+    assert args.attention_backend == "flashinfer"
+    assert (args.cuda_graph_max_bs_decode, args.max_running_requests) == (1, 1)
+    assert (args.port, args.tp_size, args.mem_fraction_static) == (30001, 1, 0.8)      # passed through
+
+
+@pytest.mark.parametrize("batch,expected", [(1, (5, 4, 16)), (8, (3, 2, 6)), (16, (3, 2, 6)), (64, (2, 1, 3))])
+def test_profile_entry_for_the_batch_size(capsys, folders, batch, expected):
+    cmd = dry_run(capsys, *base(folders, "--profile", folders["profile.json"], "--batch-size", str(batch)))
+    args = sglang_parse(cmd)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == expected
+    assert (args.cuda_graph_max_bs_decode, args.max_running_requests) == (batch, batch)
+
+
+def test_explicit_flags_win_over_the_profile(capsys, folders):
+    cmd = dry_run(capsys, *base(folders, "--profile", folders["profile.json"], "--max-running-requests", "8",
+                                "--topk", "1", "--num-draft-tokens", "4", "--cuda-graph-max-bs", "16",
+                                "--attention-backend", "fa3"))
+    args = sglang_parse(cmd)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
+    assert (args.cuda_graph_max_bs_decode, args.max_running_requests, args.attention_backend) == (16, 8, "fa3")
+
+
+def test_adaptive_command(capsys, folders, tmp_path):
+    config = tmp_path / "adaptive.json"
+    config.write_text(json.dumps({"1": {"candidate_steps": [1, 3, 5]}, "8": {"candidate_steps": [0, 1]}}))
+    cmd = dry_run(capsys, *base(folders, "--topk", "1", "--num-draft-tokens", "6", "--adaptive", str(config)))
+    args = sglang_parse(cmd)
+    assert args.speculative_adaptive and args.speculative_adaptive_config == str(config)
+    from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+    assert adaptive_unsupported_reason(args) is None
+    args = sglang_parse(dry_run(capsys, *base(folders, "--topk", "1", "--adaptive")))
+    assert args.speculative_adaptive and args.speculative_adaptive_config is None
+
+
+def test_eagle3_serve_subcommand(capsys, folders):
+    assert eagle3_main(["serve", *base(folders, "--port", "31000", "--dry-run", "--enable-metrics")]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip())
+    args = sglang_parse(cmd)
+    assert args.port == 31000 and args.enable_metrics and args.speculative_draft_model_path == folders["draft"]
+
+
+def test_launch_server_script(folders):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "serve", "launch_server.py"),
+                        *base(folders, "--batch-size", "4", "--dry-run", "--skip-check")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "-m sglang.launch_server" in r.stdout and "--cuda-graph-max-bs-decode 4" in r.stdout
+
+
+# ---- error paths ------------------------------------------------------------------------------------
+def run_err(capsys, *argv) -> str:
+    assert launcher.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    return err
+
+
+def test_mismatched_draft_is_refused(capsys, folders):
+    err = run_err(capsys, "--target", folders["target"], "--draft", folders["bad_draft"], "--dry-run")
+    assert "ERROR" in err and "vocab size" in err and "failed" in err and "--skip-check" in err
+    assert launcher.main(["--target", folders["target"], "--draft", folders["bad_draft"], "--dry-run",
+                          "--skip-check"]) == 0
+
+
+def test_missing_and_hub_drafts(capsys, folders, tmp_path):
+    assert "no such folder" in run_err(capsys, "--target", folders["target"], "--draft", str(tmp_path / "nope"))
+    cmd = dry_run(capsys, "--target", folders["target"], "--draft", "someorg/some-eagle3-draft")
+    assert cmd[cmd.index("--speculative-draft-model-path") + 1] == "someorg/some-eagle3-draft"
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"per_batch": {}}', '{"per_batch_size": {"x": {}}}',
+                                     '{"per_batch_size": {"4": {"num_steps": 3, "topk": 1}}}',
+                                     '{"per_batch_size": {"4": {"num_steps": 3, "topk": 4, "num_draft_tokens": 99}}}'],
+                         ids=["missing", "not-json", "no-table", "bad-key", "missing-field", "bad-tree"])
+def test_bad_profiles(capsys, folders, tmp_path, content):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    err = run_err(capsys, *base(folders, "--profile", str(path), "--dry-run"))
+    assert err.startswith("launch_server.py: error: --profile: ") and str(path) in err and err.count("\n") == 1
+
+
+def test_profile_without_speculation_at_this_batch_size(capsys, folders, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"per_batch_size": {"1": PROFILE["per_batch_size"]["1"],
+                                                   "16": {"speculation": False, "tokens_per_s": 900.0}}}))
+    cmd = dry_run(capsys, *base(folders, "--profile", str(path), "--batch-size", "32"))
+    assert "--speculative-algorithm" not in cmd and "--speculative-draft-model-path" not in cmd
+    args = sglang_parse(cmd)
+    assert args.speculative_algorithm is None and args.max_running_requests == 32
+    cmd = dry_run(capsys, *base(folders, "--profile", str(path), "--batch-size", "32", "--topk", "1"))
+    assert sglang_parse(cmd).speculative_eagle_topk == 1            # explicit flags switch it back on
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--speculative-num-steps", "3"], "use --num-steps"), (["--model-path=x"], "use --target"),
+    (["--num-draft-tokens", "99"], "exceeds"), (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--adaptive"], "needs topk 1"), (["--topk", "1", "--adaptive", "missing.json"], "no such file")])
+def test_bad_flags(capsys, folders, argv, message):
+    assert message in run_err(capsys, *base(folders, *argv, "--dry-run"))
+
+
+def test_bad_adaptive_config_rejected_by_sglang_rules(capsys, folders, tmp_path):
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    path = tmp_path / "a.json"
+    path.write_text('{"1": {"candidate_steps": [-1]}}')
+    assert "candidate_steps" in run_err(capsys, *base(folders, "--topk", "1", "--adaptive", str(path), "--dry-run"))
+
+
+def test_without_gpu_or_sglang_points_to_the_embedded_engine(capsys, folders, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = run_err(capsys, *base(folders))
+    assert "no CUDA GPU" in err and "eagle3 generate" in err and err.count("\n") == 1
+    real = launcher.importlib.util.find_spec
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: None if n == "sglang" else real(n, *a))
+    err = run_err(capsys, *base(folders))
+    assert "SGLang is not installed" in err and "eagle3 generate" in err
+
+
+def test_launches_the_composed_command(capsys, folders, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: object())
+    monkeypatch.setattr(launcher.subprocess, "call", lambda cmd: calls.append(cmd) or 7)
+    assert launcher.main(base(folders, "--port", "30002")) == 7
+    (cmd,) = calls
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"] and cmd[-2:] == ["--port", "30002"]
+    assert "num_steps=5 topk=4 num_draft_tokens=16 from defaults" in capsys.readouterr().err
