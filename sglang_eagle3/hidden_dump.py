@@ -311,7 +311,9 @@ class HiddenStateDump:
     """A finished dump: len(dump) rows; dump[i] -> {input_ids [n], loss_mask [n], aux_hidden_states [n, n_aux*H],
     last_hidden [n, H]} read lazily from memory-mapped shards."""
 
-    def __init__(self, path: str, verify: str = "sha256", progress: bool = False):
+    def __init__(self, path: str, verify: str = "sha256", progress: bool = False, part: tuple[int, int] = (0, 1)):
+        """verify: sha256 | size | none. part=(rank, world): hash only shards i % world == rank (every rank
+        still checks every shard's size), so the ranks of a job share the hashing."""
         if verify not in ("sha256", "size", "none"):
             raise ValueError(f"verify must be sha256, size or none, got {verify!r}")
         self.path = path
@@ -327,8 +329,8 @@ class HiddenStateDump:
         self.hidden_size = int(m["target"]["hidden_size"])
         self.vocab_size = int(m["target"]["vocab_size"])
         from tqdm import tqdm
-        for s in tqdm(m["shards"], desc="verify dump", disable=not progress or verify != "sha256"):
-            self._verify(s, verify)
+        for i, s in enumerate(tqdm(m["shards"], desc="verify dump", disable=not progress or verify != "sha256")):
+            self._verify(s, verify if verify != "sha256" or i % part[1] == part[0] else "size")
         self._starts = np.array([s["row_start"] for s in m["shards"]] + [m["rows"]], dtype=np.int64)
         self._handles: dict[int, object] = {}
         self._offsets: dict[int, np.ndarray] = {}

@@ -37,6 +37,23 @@ def sglang_version() -> Optional[str]:
         return None
 
 
+@contextlib.contextmanager
+def undo_import_side_effects():
+    """Importing SGLang sets cache-dir environment variables and adds a root logging handler; undo both
+    on exit so code that runs later in the same process (other tests) sees the environment it had."""
+    import logging
+    import os
+    env, root = dict(os.environ), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -138,6 +138,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     """
     B, T = input_ids.shape
     dev = input_ids.device
+    if T < 2:
+        raise ValueError(f"training rows need at least 2 tokens (a feature and the next token), got T={T}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted

@@ -140,7 +140,7 @@ def test_rank_partition_covers_each_shard_once(world):
         hd.shards_of_rank(11, world, world)
 
 
-def test_two_ranks_via_cli_then_verification_errors(tiny, tmp_path):
+def test_two_ranks_via_cli_then_verification_errors(tiny, tmp_path, capsys):
     path, _ = tiny
     rows = make_rows(6, seed=2)
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -177,9 +177,10 @@ def test_two_ranks_via_cli_then_verification_errors(tiny, tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}\n{"input_ids": [1, 2], "loss_mask": [1]}\n')
-    r = subprocess.run(base[:4] + ["--data", str(bad), "--out", str(tmp_path / "e")], capture_output=True,
-                       text=True, env=env)
-    assert r.returncode == 2 and "bad.jsonl: line 2" in r.stderr and "Traceback" not in r.stderr
+    from sglang_eagle3.cli import main
+    assert main(["dump-hidden-states", "--target", path, "--data", str(bad), "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl: line 2" in err and "Traceback" not in err
 
 
 def test_prepared_dataset_dir_is_read(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from sglang_eagle3 import launcher
+from sglang_eagle3 import launcher, sglang_compat
 from sglang_eagle3.cli import main as eagle3_main
 from sglang_eagle3.config import Eagle3Config
 from sglang_eagle3.draft import Eagle3DraftModel
@@ -24,6 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = {"per_batch_size": {"1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
                               "8": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6},
                               "32": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_state():
+    with sglang_compat.undo_import_side_effects():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,8 @@ def dry_run(capsys, *argv) -> list[str]:
 
 def sglang_parse(cmd: list[str]):
     """SGLang's real parser on the arguments after `python -m sglang.launch_server`."""
-    pytest.importorskip("sglang", reason="SGLang is not installed")
+    if sglang_compat.sglang_version() is None:
+        pytest.skip("SGLang is not installed")
     from sglang.srt.server_args import prepare_server_args
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     return prepare_server_args(cmd[3:])
@@ -166,7 +173,8 @@ def test_bad_flags(capsys, folders, argv, message):
 
 
 def test_bad_adaptive_config_rejected_by_sglang_rules(capsys, folders, tmp_path):
-    pytest.importorskip("sglang", reason="SGLang is not installed")
+    if sglang_compat.sglang_version() is None:
+        pytest.skip("SGLang is not installed")
     path = tmp_path / "a.json"
     path.write_text('{"1": {"candidate_steps": [-1]}}')
     assert "candidate_steps" in run_err(capsys, *base(folders, "--topk", "1", "--adaptive", str(path), "--dry-run"))

@@ -16,14 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("sglang", reason="SGLang is not installed (pip install -r requirements-sglang.txt)")
+from conftest import IdTokenizer, tiny_hf_model
 
-from conftest import IdTokenizer, tiny_hf_model  # noqa: E402
+from sglang_eagle3 import sglang_compat as sc
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.target import TargetModel
 
-from sglang_eagle3 import sglang_compat as sc  # noqa: E402
-from sglang_eagle3.config import Eagle3Config  # noqa: E402
-from sglang_eagle3.draft import Eagle3DraftModel  # noqa: E402
-from sglang_eagle3.target import TargetModel  # noqa: E402
+pytestmark = pytest.mark.skipif(sc.sglang_version() is None,
+                                reason="SGLang is not installed (pip install --no-deps -r requirements-sglang.txt)")
 
 VOCAB = 96
 CASES = [("llama", 32), ("llama", None), ("qwen3", 40), ("qwen2", None)]
@@ -31,9 +32,10 @@ CASES = [("llama", 32), ("llama", None), ("qwen3", 40), ("qwen2", None)]
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_runtime():
-    sc.init_cpu_runtime()
-    yield
-    sc.shutdown_cpu_runtime()
+    with sc.undo_import_side_effects():
+        sc.init_cpu_runtime()
+        yield
+        sc.shutdown_cpu_runtime()
 
 
 def make_draft(hf_config, draft_vocab_size, seed=3) -> Eagle3DraftModel:

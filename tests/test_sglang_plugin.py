@@ -14,16 +14,23 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("sglang", reason="SGLang is not installed (pip install -r requirements-sglang.txt)")
+from conftest import tiny_hf_model
 
-from conftest import tiny_hf_model  # noqa: E402
+from sglang_eagle3 import sglang_compat as sc
+from sglang_eagle3.config import Eagle3Config
+from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.sglang_plugin import PLUGIN_NAME
+from sglang_eagle3.sglang_plugin.capture import SUPPORTED_ARCHITECTURES
+from sglang_eagle3.sglang_plugin.validate import DraftMismatchError, draft_config_problems
 
-from sglang_eagle3 import sglang_compat as sc  # noqa: E402
-from sglang_eagle3.config import Eagle3Config  # noqa: E402
-from sglang_eagle3.draft import Eagle3DraftModel  # noqa: E402
-from sglang_eagle3.sglang_plugin import PLUGIN_NAME  # noqa: E402
-from sglang_eagle3.sglang_plugin.capture import SUPPORTED_ARCHITECTURES  # noqa: E402
-from sglang_eagle3.sglang_plugin.validate import DraftMismatchError, draft_config_problems  # noqa: E402
+pytestmark = pytest.mark.skipif(sc.sglang_version() is None,
+                                reason="SGLang is not installed (pip install --no-deps -r requirements-sglang.txt)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_state():
+    with sc.undo_import_side_effects():
+        yield
 
 VOCAB = 96
 # model_type -> (SGLang architecture, tiny-config overrides SGLang's class needs)
@@ -34,8 +41,11 @@ FAMILIES = {
                                          attn_logit_softcapping=None, final_logit_softcapping=None)),
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
                                            attention_multiplier=0.2)),
+    "granitemoe": ("GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmo": ("OlmoForCausalLM", dict(num_key_value_heads=4)),
     "olmo2": ("Olmo2ForCausalLM", {}),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=4)),
+    "stablelm": ("StableLmForCausalLM", dict(partial_rotary_factor=0.25)),
     "starcoder2": ("Starcoder2ForCausalLM", {}),
     "glm4": ("Glm4ForCausalLM", dict(partial_rotary_factor=0.5)),
 }
@@ -95,6 +105,7 @@ def test_load_plugins_registers_capture_and_check(plugin):
         assert hasattr(cls, "set_eagle3_layers_to_capture")
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
         assert ModelRegistry.models[arch] is originals[arch]         # SGLang's own capture is kept
+    assert ModelRegistry.models["MixtralForCausalLM"] is originals["MixtralForCausalLM"]   # not verified: untouched
     assert ServerArgs.check_server_args is not check and ServerArgs.check_server_args.__wrapped__ is check
 
 

@@ -125,7 +125,8 @@ def test_zero2_two_ranks_stay_in_sync_and_learn(setup, reference):
 @needs_deepspeed
 def test_kill_9_and_resume_reproduces_the_run(setup, reference):
     out = setup[0] / "killed"
-    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero2.json"))
+    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero2.json"),
+                      "--no-tensorboard")
     procs = spawn_ranks(args)
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 180
@@ -152,7 +153,8 @@ def test_kill_9_and_resume_reproduces_the_run(setup, reference):
 @needs_deepspeed
 def test_zero3_two_ranks(setup):
     out = setup[0] / "zero3"
-    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero3.json"))
+    args = train_args(setup, out, "--deepspeed-config", os.path.join(ROOT, "train", "ds_zero3.json"),
+                      "--no-tensorboard")
     args[args.index("--max-steps") + 1] = "6"
     torchrun(args)
     s = json.load(open(out / "train_summary.json"))

@@ -90,7 +90,8 @@ def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool) 
             "_accept_lengths": s["accept_lengths"]}
 
 
-def summarize_set(rows: list[dict], greedy: bool) -> dict:
+def summarize_set(rows: list[dict], greedy: bool, max_accept: int = 1) -> dict:
+    """Set totals; the histogram has a bin for every possible step length 1..max_accept (num_steps + 1)."""
     hist = Counter(a for r in rows for a in r["_accept_lengths"])
     steps, acc = sum(r["decode_steps"] for r in rows), sum(r["accepted_tokens"] for r in rows)
     tok_v, tok_s = sum(r["tokens_vanilla"] for r in rows), sum(r["tokens_spec"] for r in rows)
@@ -102,7 +103,7 @@ def summarize_set(rows: list[dict], greedy: bool) -> dict:
            "tokens_per_s_vanilla": tps_v, "tokens_per_s_spec": tps_s,
            "tokens_vanilla": tok_v, "tokens_spec": tok_s, "time_vanilla_s": t_v, "time_spec_s": t_s,
            "decode_steps": steps,
-           "accept_histogram": {str(k): hist[k] for k in range(1, max(hist, default=1) + 1)}}
+           "accept_histogram": {str(k): hist[k] for k in range(1, max(max(hist, default=1), max_accept) + 1)}}
     if greedy:
         out["identical_to_vanilla"] = sum(r["identical"] for r in rows)
     out["per_prompt"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
@@ -159,7 +160,8 @@ def plot_histograms(result: dict, path: str) -> str:
     for ax, (name, s) in zip(axes, sets.items()):
         ks = [int(k) for k in s["accept_histogram"]]
         total = max(1, sum(s["accept_histogram"].values()))
-        ax.bar(ks, [s["accept_histogram"][str(k)] / total for k in ks], color="tab:blue")
+        ax.bar(ks, [s["accept_histogram"][str(k)] / total for k in ks], width=0.7, color="tab:blue")
+        ax.set_xlim(0.4, max(ks) + 0.6)
         tau = report.fmt_num(s["tau"])
         ax.set_title(f"{PAPER_NAMES.get(name, name)}  (τ={tau}, {report.fmt_speedup(s['speedup_median'])})")
         ax.set_xlabel("tokens per verify step")
@@ -272,7 +274,7 @@ def run(argv=None) -> int:
             tau = report.safe_div(sum(r["accepted_tokens"] for r in rows), sum(r["decode_steps"] for r in rows))
             bar.set_postfix_str(f"{name} τ={report.fmt_num(tau)}")
             bar.update(1)
-        result["sets"][name] = summarize_set(rows, greedy=base.greedy)
+        result["sets"][name] = summarize_set(rows, greedy=base.greedy, max_accept=spec.num_steps + 1)
         result["average"] = average_row(result["sets"])
         report.write_json_atomic(a.out, result)           # a finished set survives an interrupted run
     bar.close()

@@ -54,6 +54,7 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                          "tokens": sum(r[0] for r in rs), "time_s": sum(r[1] for r in rs),
                          "tokens_per_s": report.median(r[0] / r[1] for r in rs),
                          "accept_length": report.safe_div(sum(r[0] for r in rs), sum(r[2] for r in rs)),
+                         "accepted_drafts": None if t is None else sum(r[0] - r[2] for r in rs),
                          "identical_to_vanilla": (rs[0][3] == van_ids) if (van_ids is not None and t is not None
                                                                            and params.greedy) else None})
         on_rows(rows)
@@ -75,13 +76,27 @@ def chat_texts(prompts: list[str], tokenizer_path: str | None) -> tuple[list[str
     return list(prompts), "raw"
 
 
-def measure_server(a, prompts: list, on_rows) -> dict:
+def check_same_server_setup(info: dict, tree: dict | None, existing: list[dict]) -> None:
+    """Rows of one grid must come from one target (and one draft for the speculative ones)."""
+    from .sglang_client import ServerError
+    model, draft = info.get("model_path"), info.get("speculative_draft_model_path")
+    for r in existing:
+        if r.get("server_model", model) != model:
+            raise ServerError(f"the grid file holds measurements of {r['server_model']}, this server runs {model}; "
+                              f"use another --out or --fresh")
+        if tree is not None and r["tree"] is not None and r.get("server_draft", draft) != draft:
+            raise ServerError(f"the grid file holds measurements with draft {r['server_draft']}, this server uses "
+                              f"{draft}; use another --out or --fresh")
+
+
+def measure_server(a, prompts: list, on_rows, existing: list[dict] = ()) -> dict:
     """The server's current tree at every batch size (waves of batch_size concurrent requests)."""
     from tqdm import tqdm
     from .sglang_client import SGLangClient, server_tree, summarize_meta
     client = SGLangClient(a.sglang_url, timeout=a.timeout)
     info = client.server_info()
     tree = server_tree(info)
+    check_same_server_setup(info, tree, list(existing))
     texts, fmt = chat_texts(prompts, a.target if a.target != "testbed" else info.get("model_path"))
     sp = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "ignore_eos": a.ignore_eos}
     if a.temperature > 0:
@@ -95,19 +110,23 @@ def measure_server(a, prompts: list, on_rows) -> dict:
         runs = []
         for _ in range(a.repeats):
             client.flush_cache()
-            tokens, verify, wall = 0, 0, 0.0
+            tokens, verify, accepted, wall = 0, 0, 0, 0.0
             for i in range(0, len(batch), bs):
                 metas, dt = client.generate(batch[i:i + bs], sp)
-                tok, ver = summarize_meta(metas)
+                tok, ver, acc = summarize_meta(metas)
                 tokens, wall = tokens + tok, wall + dt
                 verify = None if ver is None or verify is None else verify + ver
-            runs.append((tokens, wall, verify))
+                accepted = None if acc is None or accepted is None else accepted + acc
+            runs.append((tokens, wall, verify, accepted))
         verify = None if any(r[2] is None for r in runs) else sum(r[2] for r in runs)
+        accepted = None if any(r[3] is None for r in runs) else sum(r[3] for r in runs)
         rows.append({"batch_size": bs, "tree": tree, "prompts": len(batch), "repeats": len(runs),
                      "tokens": sum(r[0] for r in runs), "time_s": sum(r[1] for r in runs),
                      "tokens_per_s": report.median(r[0] / r[1] for r in runs if r[1] > 0),
                      "accept_length": report.safe_div(sum(r[0] for r in runs), verify) if verify else None,
-                     "identical_to_vanilla": None, "server_draft": info.get("speculative_draft_model_path")})
+                     "accepted_drafts": accepted if tree is not None else None,
+                     "identical_to_vanilla": None, "server_model": info.get("model_path"),
+                     "server_draft": info.get("speculative_draft_model_path")})
     on_rows(rows)
     return {"backend": "sglang", "url": a.sglang_url, "target": info.get("model_path"),
             "draft": info.get("speculative_draft_model_path"), "dtype": info.get("dtype"), "prompt_format": fmt}

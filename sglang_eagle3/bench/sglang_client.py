@@ -82,8 +82,10 @@ def server_tree(info: dict) -> dict | None:
                           "speculative_num_draft_tokens") from None
 
 
-def summarize_meta(metas: list[dict]) -> tuple[int, int | None]:
-    """(completion tokens, verify passes or None when the server did not speculate)."""
-    tokens = sum(int(m.get("completion_tokens", 0)) for m in metas)
-    verify = [m.get("spec_verify_ct") for m in metas]
-    return tokens, (sum(int(v) for v in verify) if all(v is not None for v in verify) and verify else None)
+def summarize_meta(metas: list[dict]) -> tuple[int, int | None, int | None]:
+    """(completion tokens, verify passes, accepted draft tokens); the last two None without speculation."""
+    def total(key):
+        vals = [m.get(key) for m in metas]
+        return sum(int(v) for v in vals) if vals and all(v is not None for v in vals) else None
+    return sum(int(m.get("completion_tokens", 0)) for m in metas), total("spec_verify_ct"), \
+        total("spec_num_correct_drafts")

@@ -9,7 +9,7 @@ Two backends:
       the server with the next tree (and once without speculation, for the baseline) and run again with
       the same --out: the profile is rebuilt from all rows gathered so far.
 
-Outputs (from --out PROFILE.json): PROFILE.json (read by load_profile below), PROFILE.grid.json (every
+Outputs (from --out PROFILE.json): PROFILE.json (read by sglang_eagle3.bench.tune.load_profile), PROFILE.grid.json (every
 measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
 SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
 """
@@ -81,17 +81,25 @@ def _by_batch_size(rows: list[dict]) -> dict[int, tuple[dict | None, list[dict]]
     return out
 
 
+def _useful(r: dict) -> bool:
+    """A tree none of whose drafted tokens was accepted cannot beat vanilla: a measured gain is noise."""
+    return r.get("accepted_drafts") != 0
+
+
 def select_best(rows: list[dict], min_speedup: float = 1.0) -> dict[str, dict]:
     """Per batch size: the fastest tree, or speculation: false when vanilla is at least as good."""
     best = {}
     for bs, (van, specs) in _by_batch_size(rows).items():
-        top = max(specs, key=lambda r: r["tokens_per_s"], default=None)
+        fastest = max(specs, key=lambda r: r["tokens_per_s"], default=None)
+        top = max(filter(_useful, specs), key=lambda r: r["tokens_per_s"], default=None)
         van_tps = van["tokens_per_s"] if van else None
         spd = report.safe_div(top["tokens_per_s"], van_tps) if top and van_tps else None
         if top is None or (spd is not None and spd < min_speedup):
             entry = {"speculation": False, "tokens_per_s": van_tps, "speedup": 1.0}
-            if top is not None:
-                entry["best_tree"] = {**top["tree"], "tokens_per_s": top["tokens_per_s"], "speedup": spd}
+            if fastest is not None:
+                entry["best_tree"] = {**fastest["tree"], "tokens_per_s": fastest["tokens_per_s"],
+                                      "speedup": report.safe_div(fastest["tokens_per_s"], van_tps) if van_tps else None,
+                                      "accepted_drafts": fastest.get("accepted_drafts")}
         else:
             entry = {"speculation": True, **top["tree"], "tokens_per_s": top["tokens_per_s"], "speedup": spd,
                      "accept_length": top.get("accept_length"), "vanilla_tokens_per_s": van_tps}
@@ -105,12 +113,13 @@ def adaptive_config(rows: list[dict], min_speedup: float = 1.0, tolerance: float
     """SGLang's --speculative-adaptive-config from the topk=1 (chain) measurements."""
     cfg: dict = {"_comment": ADAPTIVE_NOTE}
     for bs, (van, specs) in _by_batch_size(rows).items():
-        chains = [r for r in specs if r["tree"]["topk"] == 1]
-        if not chains:
+        all_chains = [r for r in specs if r["tree"]["topk"] == 1]
+        if not all_chains:
             continue
-        top = max(chains, key=lambda r: r["tokens_per_s"])
-        floor = (1 - tolerance) * top["tokens_per_s"]
-        if van is not None and top["tokens_per_s"] < min_speedup * van["tokens_per_s"]:
+        chains = [r for r in all_chains if _useful(r)]
+        top = max(chains, key=lambda r: r["tokens_per_s"], default=None)
+        floor = (1 - tolerance) * top["tokens_per_s"] if top else 0.0
+        if top is None or (van is not None and top["tokens_per_s"] < min_speedup * van["tokens_per_s"]):
             steps = [0]
         else:
             steps = sorted({r["tree"]["num_steps"] for r in chains if r["tokens_per_s"] >= floor})
@@ -349,7 +358,7 @@ def run(argv=None) -> int:
     if a.sglang_url:
         from .sglang_client import ServerError
         try:
-            where = measure_server(a, prompts, on_rows)
+            where = measure_server(a, prompts, on_rows, existing=rows)
         except ServerError as e:
             raise UserError(str(e)) from None
     else:

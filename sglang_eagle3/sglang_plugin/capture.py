@@ -27,13 +27,18 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Decoder layers called as layer(positions, hidden_states, forward_batch[, residual]); each was checked
-# on CPU against transformers' output_hidden_states (tests/test_sglang_plugin.py).
+# on CPU against transformers' output_hidden_states (tests/test_sglang_plugin.py). Not every class
+# lacking the setter qualifies: those whose layers keep the residual in SGLang's batch-level residual
+# stream (Mixtral, ...) do not see the full stream in their arguments, and that check fails for them.
 HOOKED_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
     "OlmoForCausalLM",
     "Olmo2ForCausalLM",
+    "OlmoeForCausalLM",
+    "StableLmForCausalLM",
     "Starcoder2ForCausalLM",
 )
 # Inner model already collects aux hidden states into `layers_to_capture`; only the setter is missing.

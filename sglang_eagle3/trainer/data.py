@@ -28,10 +28,10 @@ class TokenRows:
         return {"input_ids": torch.from_numpy(ids).long(), "loss_mask": torch.from_numpy(mask.astype(np.int64))}
 
 
-def open_rows(path: str, verify: str = "sha256", progress: bool = False):
+def open_rows(path: str, verify: str = "sha256", progress: bool = False, part: tuple[int, int] = (0, 1)):
     """-> (dataset, "offline" | "online"): a dump dir (has manifest.json) or token rows (prepare-data dir / jsonl)."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        return HiddenStateDump(path, verify=verify, progress=progress), "offline"
+        return HiddenStateDump(path, verify=verify, progress=progress, part=part), "offline"
     return TokenRows(load_token_rows(path)), "online"
 
 

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -27,7 +28,7 @@ from .logs import PLOT_FILE, MetricsLogger, plot_curves
 from .target_head import load_target_head
 
 STATE_FILE, LATEST, EXPORT_DIR, SUMMARY_FILE = "trainer_state.json", "latest", "draft", "train_summary.json"
-RESUME_KEYS = ("world_size", "micro_batch_size", "grad_accum", "seed", "total_steps", "backend", "eval_rows")
+RESUME_KEYS = ("world_size", "micro_batch_size", "grad_accum", "seed", "total_steps", "backend", "eval_rows", "data")
 
 
 @dataclass
@@ -119,6 +120,7 @@ def pick_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")   # DeepSpeed on recent torch
         if cfg.features not in FEATURES:
             raise ConfigError(f"--features must be one of {FEATURES}, got {cfg.features!r}")
         self.device = pick_device(cfg.device)
@@ -145,9 +147,10 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         cfg = self.cfg
-        self.data, self.mode = open_rows(cfg.data, cfg.verify_dumps, progress=self.rank == 0 and cfg.progress)
+        part = (self.rank, self.world)
+        self.data, self.mode = open_rows(cfg.data, cfg.verify_dumps, self.rank == 0 and cfg.progress, part)
         if cfg.eval_data:
-            self.eval_data, eval_mode = open_rows(cfg.eval_data, cfg.verify_dumps)
+            self.eval_data, eval_mode = open_rows(cfg.eval_data, cfg.verify_dumps, False, part)
             if eval_mode != self.mode:
                 raise ConfigError(f"--eval-data {cfg.eval_data} is {eval_mode} data but --data is {self.mode}")
             self.train_idx, self.eval_idx = np.arange(len(self.data)), np.arange(len(self.eval_data))
@@ -183,15 +186,20 @@ class Trainer:
             aux_ids = [tc.num_hidden_layers - 1]
         d2t_ids = self._draft_vocab(tc.vocab_size)
         if cfg.draft_config:
-            dc = Eagle3Config.load(cfg.draft_config)
-            dc.draft_vocab_size, dc.aux_layer_ids = len(d2t_ids), list(aux_ids)
+            path = cfg.draft_config
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                dc = Eagle3Config.from_dict({**json.load(f), "draft_vocab_size": len(d2t_ids), "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}, where=path)
         else:
             dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
         self.draft_config = dc
         torch.manual_seed(cfg.seed)                # identical initial weights on every rank
         draft = Eagle3DraftModel(dc)
         draft.set_vocab_mapping(d2t_ids)
-        draft.check_target(hf_config, None if cfg.features == "top" else aux_ids)
+        if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
+            draft.check_target(hf_config, aux_ids)
         draft.set_embedding(embed)
         lm_head.requires_grad_(False)
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
