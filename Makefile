@@ -6,7 +6,7 @@ DATA   ?= $(or $(EAGLE3_DATA),../shared/data)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test demo testbed bench-decode clean
+.PHONY: help venv test demo testbed bench-decode bench-acceptance tune-spec clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -33,6 +33,13 @@ demo: $(STAMP)  ## speculative decoding on the embedded target: text + stats
 
 bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs our vanilla vs speculative
 	$(BIN)/python bench/bench_decode.py --data $(DATA)
+
+DRAFT ?= $(error set DRAFT=path/to/eagle3-draft)
+bench-acceptance: $(STAMP)  ## bench/bench_acceptance.py: tau and speed-up per eval set (needs DRAFT=...)
+	$(BIN)/python bench/bench_acceptance.py --draft $(DRAFT) --data $(DATA) --n 10 --out results/acceptance.json
+
+tune-spec: $(STAMP)  ## bench/tune_spec.py: best tree per batch size -> profile + SGLang adaptive config (needs DRAFT=...)
+	$(BIN)/python bench/tune_spec.py --draft $(DRAFT) --data $(DATA) --batch-sizes 1,2,4 --out results/spec_profile.json
 
 clean:  ## remove the venv and caches (keeps ~/.cache/sglang_eagle3)
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

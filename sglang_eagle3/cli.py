@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     from .draft import CheckpointError
     from .prompts import PromptFileError
     try:
+        if getattr(args, "target", None) == "testbed":      # every subcommand accepts the embedded target's name
+            from .testbed import resolve_target
+            args.target = resolve_target("testbed")
         return int(args.func(args) or 0)
     except (UserError, ConfigError, CheckpointError, PromptFileError, FileNotFoundError) as e:
         print(f"eagle3 {args.command}: error: {e}", file=sys.stderr)

@@ -60,6 +60,9 @@ class Eagle3Config:
                               f"num_key_value_heads={self.num_key_value_heads}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids={self.aux_layer_ids} must be strictly increasing "
+                              "(SGLang concatenates the captured layers in layer order)")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu', as in SGLang's draft)")
 

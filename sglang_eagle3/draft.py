@@ -135,11 +135,13 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.inv_freq = inv_freq.float()   # a plain attribute: Module.to(bfloat16) must not round RoPE angles
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, T] -> cos, sin [B, T, head_dim]."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        """positions [B, T] -> cos, sin [B, T, head_dim] (angles in fp32)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
@@ -184,17 +186,19 @@ class Eagle3DraftModel(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
-                attend: Optional[AttendFn] = None) -> torch.Tensor:
+                attend: Optional[AttendFn] = None, fuse: Optional[bool] = None) -> torch.Tensor:
         """One draft step.
 
         input_ids [B, T]: the token at each position's *next* slot (x_{t+1} paired with feature t);
-        hidden_states [B, T, n_aux*H_target] (fused target features, step 0) or [B, T, H] (draft's own output);
-        positions [B, T]. Returns the pre-norm hidden [B, T, H]; logits come from `compute_logits`.
+        hidden_states [B, T, n_aux*H_target] (target features, step 0) or [B, T, H] (draft's own output);
+        positions [B, T]; fuse: apply fc to hidden_states (default: when it is wider than H, as SGLang decides). Returns the pre-norm hidden [B, T, H]; logits come from `compute_logits`.
         """
         if self.embed_tokens is None:
             raise RuntimeError("draft has no token embedding: call set_embedding(target.embed_tokens) first")
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
-        if hidden_states.shape[-1] != embeds.shape[-1]:          # step 0: fuse the target features (as SGLang)
+        if fuse is None:                                        # SGLang's rule: target features are wider
+            fuse = hidden_states.shape[-1] != embeds.shape[-1]
+        if fuse:                                                # step 0: g = fc([l; m; h])
             hidden_states = self.project(hidden_states)
         cos, sin = self.rotary(positions, embeds.dtype)
         return self.midlayer(embeds, hidden_states, cos, sin, attend or sdpa_attend(None))
@@ -250,10 +254,10 @@ class Eagle3DraftModel(nn.Module):
         if c.hidden_size != tc.hidden_size:
             raise CheckpointError(f"draft hidden_size={c.hidden_size} but the target's embedding is "
                                   f"[{tc.vocab_size}, {tc.hidden_size}]; the draft reuses the target embedding")
-        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers - 1]
-        if bad:   # id i = the input of layer i + 1, so the last valid id is L - 2
+        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
+        if bad:   # id i = HF output_hidden_states[i + 1]; L - 1 (final normed state) only for the 'top' ablation
             raise CheckpointError(f"draft eagle_aux_hidden_state_layer_ids={c.aux_layer_ids} has ids {bad} outside "
-                                  f"0..{tc.num_hidden_layers - 2} for the target's {tc.num_hidden_layers} layers")
+                                  f"0..{tc.num_hidden_layers - 1} for the target's {tc.num_hidden_layers} layers")
         if aux_layer_ids is not None and list(aux_layer_ids) != list(c.aux_layer_ids):
             raise CheckpointError(f"draft was trained on aux layers {c.aux_layer_ids} but the target runtime "
                                   f"captures {list(aux_layer_ids)}")

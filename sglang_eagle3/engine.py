@@ -227,7 +227,7 @@ class SpeculativeEngine:
         S = dcache.check_room(T)
         mask = cache_attention_mask(dcache.lens, causal_mask(B, T, input_ids.device), S, num_new)
         slot = dcache.lens.view(B, 1) + torch.arange(T, device=input_ids.device).view(1, T)
-        h = self.draft(input_ids, aux, positions, attend=cache_attend(dcache, 0, slot, mask))   # [B, T, H]
+        h = self.draft(input_ids, aux, positions, attend=cache_attend(dcache, 0, slot, mask), fuse=True)   # [B, T, H]
         dcache.commit([list(range(int(n))) for n in num_new])
         last = h[torch.arange(B, device=h.device), num_new - 1]                              # [B, H]
         return last, self.draft.compute_logits(last)

@@ -10,16 +10,9 @@ import torch
 from .cli import UserError
 from .config import Eagle3Config, SpecConfig
 from .prompts import load_prompts
+from .testbed import resolve_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_target(name: str | None) -> str:
-    """'testbed' (or nothing) = the embedded SmolLM2 target; otherwise a HF folder or hub id."""
-    if name in (None, "", "testbed"):
-        from .testbed import prepare
-        return prepare()
-    return name
 
 
 def shipped_draft() -> str | None:

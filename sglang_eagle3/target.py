@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass
 class TargetOutput:
     logits: torch.Tensor              # [B, T or K, vocab]
-    aux_hidden_states: torch.Tensor   # [B, T, n_aux * H]: inputs of layers aux_layer_ids[i] + 1, concatenated
+    aux_hidden_states: torch.Tensor   # [B, T, n_aux * H]: HF output_hidden_states[id + 1] per aux id, concatenated
     last_hidden: torch.Tensor         # [B, T, H]: after the final norm (logits = lm_head(last_hidden))
 
 
@@ -60,9 +60,12 @@ class TargetModel(nn.Module):
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads
         self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(self.num_layers))
-        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.num_layers - 1]
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ConfigError(f"aux layer ids {bad} out of range for a {self.num_layers}-layer target")
+            raise ConfigError(f"aux layer ids {bad} out of range 0..{self.num_layers - 1} for a {self.num_layers}-layer "
+                              "target (id i = HF output_hidden_states[i + 1])")
+        if self.aux_layer_ids != sorted(set(self.aux_layer_ids)):
+            raise ConfigError(f"aux layer ids {self.aux_layer_ids} must be strictly increasing (SGLang's order)")
         self.capture_at = {i + 1 for i in self.aux_layer_ids}   # layers whose *input* we keep
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
@@ -126,6 +129,7 @@ class TargetModel(nn.Module):
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
         last = self.norm(x)
         h = last if logit_index is None else torch.gather(last, 1, logit_index.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
+        captured[self.num_layers] = last            # id L-1: HF's last hidden state, after the norm ('top' ablation)
         aux_t = torch.cat([captured[i + 1] for i in self.aux_layer_ids], dim=-1) if want_aux else None
         return TargetOutput(self.lm_head(h).float(), aux_t, last)
 

@@ -97,6 +97,11 @@ def prepare(root: str | None = None, force: bool = False) -> str:
     return path
 
 
+def resolve_target(name: str | None) -> str:
+    """'testbed' (or nothing) = the embedded SmolLM2 target, prepared if needed; otherwise a HF folder or hub id."""
+    return prepare() if name in (None, "", "testbed") else name
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("testbed", help="prepare the embedded default target (SmolLM2-135M-Instruct) and print its path")
     p.add_argument("--cache-dir", default=None, help="root folder (default $EAGLE3_CACHE or ~/.cache/sglang_eagle3)")

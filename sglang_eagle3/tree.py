@@ -115,7 +115,7 @@ def grow_tree(draft, cache: KVCache, first_hidden, first_logits, root_tokens, ro
         S = cache.check_room(F_prev + k)
         mask = cache_attention_mask(cache.lens, rows, S)
         positions = (root_positions - 1 + step).view(B, 1).expand(B, k)
-        out = draft(tokens, hidden, positions, attend=cache_attend(cache, 0, slot, mask))   # [B, k, H]
+        out = draft(tokens, hidden, positions, attend=cache_attend(cache, 0, slot, mask), fuse=False)   # [B, k, H]
         logp = torch.log_softmax(draft.compute_logits(out).float(), -1)        # [B, k, Vd]
         child_lp, child_ids = logp.topk(k, dim=-1)                             # [B, k, k]
         child_scores = (scores.unsqueeze(-1) + child_lp).view(B, k * k)

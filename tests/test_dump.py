@@ -12,11 +12,11 @@ from sglang_eagle3 import hidden_dump as hd
 from sglang_eagle3.hidden_dump import DumpError, HiddenStateDump, dump_hidden_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, HIDDEN, LAYERS = 64, 32, 6
+VOCAB, HIDDEN, LAYERS = 64, 32, 8
 
 
 def make_tiny_target(path, seed=0, head_std=None):
-    """A random 6-layer Llama (hidden 32, vocab 64) with a word-level tokenizer, saved as an HF folder.
+    """A random 8-layer Llama (hidden 32, vocab 64) with a word-level tokenizer, saved as an HF folder.
     head_std: re-draw lm_head with this std so the target's next-token distributions are peaked."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -69,7 +69,7 @@ def test_dump_matches_target_features(tiny, tmp_path):
                              dtype=torch.float32, progress=False, log=lambda *_: None)
     assert man is not None and man["rows"] == 7 and len(man["shards"]) == 3
     assert man["tokens"] == sum(len(r[0]) for r in rows)
-    assert man["aux_layer_ids"] == target.aux_layer_ids == [1, 2, 2] and man["dtype"] == "float32"
+    assert man["aux_layer_ids"] == target.aux_layer_ids == [1, 3, 4] and man["dtype"] == "float32"
     assert man["last_hidden"] == "after_final_norm"
     for s in man["shards"]:
         assert s["sha256"] == hd.file_sha256(str(tmp_path / "d" / s["file"]))

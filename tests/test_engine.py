@@ -22,8 +22,8 @@ class OracleDraft(Eagle3DraftModel):
         super().__init__(cfg)
         self.table, self.skill = table, skill
 
-    def forward(self, input_ids, hidden_states, positions, attend=None):
-        h = super().forward(input_ids, hidden_states, positions, attend).clone()   # still exercises the KV cache
+    def forward(self, input_ids, hidden_states, positions, attend=None, fuse=None):
+        h = super().forward(input_ids, hidden_states, positions, attend, fuse).clone()   # still exercises the KV cache
         h[..., 0], h[..., 1] = positions.to(h.dtype), input_ids.to(h.dtype)
         return h
 

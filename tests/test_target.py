@@ -114,6 +114,11 @@ def test_custom_aux_layers_and_errors():
     out = t2(t2.new_cache(1, 8), ids, torch.arange(3).view(1, 3))
     ref = hf_forward(hf, [1, 2, 3])
     assert (out.aux_hidden_states[0] - torch.cat([ref.hidden_states[k][0] for k in (1, 4, 6)], -1)).abs().max() <= TOL
+    top = TargetModel(hf, None, aux_layer_ids=[7])                # id L-1: the final normed state ('top' ablation)
+    out = top(top.new_cache(1, 8), ids, torch.arange(3).view(1, 3))
+    assert (out.aux_hidden_states[0] - ref.hidden_states[8][0]).abs().max() <= TOL
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        TargetModel(hf, None, aux_layer_ids=[3, 1, 5])
     with pytest.raises(ConfigError, match="out of range"):
         TargetModel(hf, None, aux_layer_ids=[1, 2, 99])
     cache = t2.new_cache(1, 4)

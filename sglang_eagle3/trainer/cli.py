@@ -5,9 +5,9 @@ import argparse
 import os
 from typing import Optional
 
-import torch
+from ..cli import UserError
 
-from ..hidden_dump import DTYPES, MANIFEST, DumpError, dump_hidden_states, human_bytes, load_token_rows
+DTYPE_NAMES = ("bfloat16", "float16", "float32")     # torch is imported only when a command runs
 
 
 def add_dump_args(p) -> None:
@@ -16,8 +16,8 @@ def add_dump_args(p) -> None:
     p.add_argument("--out", required=True, help="dump directory (resumed if it holds a partial dump)")
     p.add_argument("--aux-layer-ids", default=None,
                    help="comma-separated target layer ids (SGLang convention; default 1,L//2-1,L-4)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="stored feature dtype")
-    p.add_argument("--target-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="stored feature dtype")
+    p.add_argument("--target-dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="dtype the target runs in (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:N")
     p.add_argument("--rows-per-shard", type=int, default=256)
@@ -30,7 +30,8 @@ def add_dump_args(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str):
+    import torch
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -44,10 +45,12 @@ def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise DumpError(f"--aux-layer-ids must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"--aux-layer-ids must be comma-separated integers, got {text!r}") from None
 
 
 def run_dump(args) -> int:
+    import torch
+    from ..hidden_dump import DTYPES, MANIFEST, DumpError, dump_hidden_states, human_bytes, load_token_rows
     from ..target import TargetModel
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -132,7 +135,7 @@ def train_config(args):
     from .loop import TrainConfig
     for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
         if getattr(args, name) < 1:
-            raise DumpError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return TrainConfig(
         target=args.target, data=args.data, out=args.out, eval_data=args.eval_data, eval_rows=args.eval_rows,
         draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
@@ -153,9 +156,9 @@ def run_train(args) -> int:
     try:
         Trainer(cfg).run()
     except ValueError as e:                 # bad shapes / sizes found during setup: one line, no traceback
-        if isinstance(e, DumpError):
+        if isinstance(e, UserError):
             raise
-        raise DumpError(str(e)) from None
+        raise UserError(str(e)) from None
     return 0
 
 
