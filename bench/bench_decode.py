@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sglang_eagle3.bench.decode import bench_dtype, eval_prompts  # noqa: E402
+from sglang_eagle3.bench.decode import bench_dtype, divergence, eval_prompts  # noqa: E402
 from sglang_eagle3.bench.report import (format_table, run_metadata, save_figure, sibling, subplots,  # noqa: E402
                                         write_json_atomic, write_text_atomic)
 from sglang_eagle3.generate_cli import resolve_target  # noqa: E402
@@ -35,6 +35,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tree-sizes", default="1,4,8,16,32,64")
     ap.add_argument("--divergence-prompts", type=int, default=100, help="bf16: prompts for the near-tie count (0 = skip)")
+    ap.add_argument("--only", choices=["speed", "divergence"], default=None,
+                    help="run one part (each writes its own JSON; divergence is a count, not a timing)")
     ap.add_argument("--divergence-tokens", type=int, default=64)
     ap.add_argument("--divergence-batch", type=int, default=8)
     ap.add_argument("--out", default="results/bench_decode.json")
@@ -44,14 +46,26 @@ def main(argv=None):
     target = resolve_target(a.target)
     prompts, div_prompts = eval_prompts(a.data, a.n, a.divergence_prompts)
 
-    results = [bench_dtype(target, d, prompts, div_prompts, a) for d in a.dtypes.split(",")]
-    report = render(results, a)
-    print(report)
-    write_json_atomic(a.out, {"meta": {**run_metadata(), "target": target, "threads": a.threads, "args": vars(a)},
-                              "results": results})
-    write_text_atomic(sibling(a.out, ".md"), report + "\n")
-    plot(results, sibling(a.out, ".png"))
-    print(f"\nwrote {a.out}, {sibling(a.out, '.md')}, {sibling(a.out, '.png')}")
+    meta = {**run_metadata(), "target": target, "threads": a.threads, "args": vars(a)}
+    if a.only != "divergence":
+        results = []
+        for d in a.dtypes.split(","):
+            results.append(bench_dtype(target, d, prompts, a))
+            write_json_atomic(a.out, {"meta": meta, "results": results})    # partial results survive a kill
+        report = render(results, a)
+        print(report)
+        write_text_atomic(sibling(a.out, ".md"), report + "\n")
+        plot(results, sibling(a.out, ".png"))
+        print(f"\nwrote {a.out}, {sibling(a.out, '.md')}, {sibling(a.out, '.png')}")
+    if a.only != "speed" and div_prompts:
+        div = [divergence(target, d, div_prompts, a) for d in a.dtypes.split(",") if d != "float32"]
+        out = sibling(a.out, "_divergence.json")
+        write_json_atomic(out, {"meta": meta, "divergence": div})
+        for d in div:
+            print(f"{d['dtype']}: speculative vs vanilla greedy outputs differ on {d['differ']}/{d['prompts']} prompts "
+                  f"({d['per_100']:.1f} per 100; {d['tokens_each']} tokens each; first differing token index: "
+                  f"{d['first_differing_token']})")
+        print(f"wrote {out}")
 
 
 def render(results, a) -> str:
@@ -75,12 +89,6 @@ def render(results, a) -> str:
     rows = [[r["dtype"]] + [f"{r['verify_cost_relative_to_1'][str(T)]:.2f}" for T in a.tree_sizes] for r in results]
     out += ["", "Verify forward cost relative to one token (tree of T tokens)",
             format_table(["dtype"] + [f"T={T}" for T in a.tree_sizes], rows)]
-    for r in results:
-        if "divergence" in r:
-            d = r["divergence"]
-            out += ["", f"{r['dtype']}: speculative vs vanilla outputs differ on {d['differ']}/{d['prompts']} prompts "
-                        f"({d['per_100']:.1f} per 100; {d['tokens_each']} tokens each; first differing token "
-                        f"index: {d['first_differing_token']})"]
     return "\n".join(out)
 
 
