@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .cli import UserError
+from .fileio import file_sha256, write_json
 
 MANIFEST, CONFIG = "manifest.json", "dump_config.json"
 FORMAT_VERSION = 1
@@ -98,24 +99,6 @@ def shards_of_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
 
 def bytes_per_token(hidden_size: int, num_aux: int, dtype: torch.dtype) -> int:
     return (num_aux + 1) * hidden_size * torch.finfo(dtype).bits // 8 + 4 + 1
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _read_json(path: str):
@@ -199,7 +182,7 @@ def write_shard(out_dir: str, i: int, tensors: dict, row_range: tuple[int, int])
     os.replace(tmp, path)
     info = {"file": shard_name(i), "row_start": row_range[0], "rows": row_range[1] - row_range[0],
             "tokens": int(tensors["input_ids"].numel()), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
-    _write_json(path[:-len(".safetensors")] + ".json", info)
+    write_json(path[:-len(".safetensors")] + ".json", info)
     return info
 
 
@@ -241,7 +224,7 @@ def check_settings(out_dir: str, settings: dict) -> None:
                             f"{[old.get(k) for k in diff]} vs {[settings[k] for k in diff]}); "
                             "use another --out or --overwrite")
     else:
-        _write_json(path, settings)
+        write_json(path, settings)
 
 
 def finalize(out_dir: str) -> Optional[dict]:
@@ -258,7 +241,7 @@ def finalize(out_dir: str) -> Optional[dict]:
     if sum(s["tokens"] for s in shards) != settings["tokens"]:
         raise DumpError(f"{out_dir}: shards hold {sum(s['tokens'] for s in shards)} tokens, "
                         f"the dataset has {settings['tokens']}")
-    _write_json(os.path.join(out_dir, MANIFEST), manifest)
+    write_json(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
 
 

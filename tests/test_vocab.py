@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.data.build import write_examples, write_json
+from sglang_eagle3.data.build import write_examples
+from sglang_eagle3.fileio import write_json
 from sglang_eagle3.draft import Eagle3DraftModel
 from sglang_eagle3.vocab import (build_vocab, count_tokens, coverage_table, format_report, load_vocab,
                                  select_draft_vocab, vocab_mapping)

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..fileio import write_json
 from .chat import ChatRenderer, ChatTemplateError
 from .formats import BadRow, DataError, Source, count_rows, read_source
 
@@ -159,16 +160,6 @@ def publish_dir(tmp: str, out: str, overwrite: bool) -> None:
         shutil.rmtree(old)
     else:
         os.rename(tmp, out)
-
-
-def write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: Optional[int] = None,

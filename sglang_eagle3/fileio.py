@@ -1,0 +1,25 @@
+"""Small file helpers shared by the long jobs: atomic JSON writes and file checksums."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temporary sibling, fsync, then rename (no torn file after a kill)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
