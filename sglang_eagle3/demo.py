@@ -7,7 +7,7 @@ import os
 import torch
 
 from .config import SpecConfig
-from .generate_cli import DTYPES, load_engine, resolve_target, shipped_draft
+from .generate_cli import DTYPES, add_spec_args, load_engine, resolve_target, shipped_draft
 from .prompts import data_dir, load_prompts
 from .verify import SamplingParams
 
@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
+    add_spec_args(ap)
+    ap.set_defaults(num_steps=3, topk=2, num_draft_tokens=6)   # a small tree suits the shipped early draft (tau ~1.2)
     a = ap.parse_args(argv)
 
     mt = os.path.join(a.data, "eval", "mt_bench.jsonl")
@@ -36,18 +38,20 @@ def main(argv=None) -> int:
         note = " (no trained draft shipped yet: a RANDOM draft, so expect accept length ~1)"
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
-    spec_engine = load_engine(None, draft, SpecConfig(), a.dtype)
-    vanilla = load_engine(None, "none", SpecConfig(), a.dtype)
-    print(f"target: {resolve_target(None)}\ndraft:  {draft}{note}\ndtype:  {a.dtype}, threads: {torch.get_num_threads()}\n")
+    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    spec_engine = load_engine(None, draft, spec, a.dtype)
+    vanilla = load_engine(None, "none", spec, a.dtype)
+    print(f"target: {resolve_target(None)}\ndraft:  {draft}{note}\ntree:   num_steps={spec.num_steps} topk={spec.topk} "
+          f"num_draft_tokens={spec.num_draft_tokens}\ndtype:  {a.dtype}, threads: {torch.get_num_threads()}\n")
     van_out, van = vanilla.generate(chats, params)
-    spec_out, spec = spec_engine.generate(chats, params)
+    spec_out, spec_stats = spec_engine.generate(chats, params)
     for p, o, v in zip(prompts, spec_out, van_out):
         same = "identical to vanilla" if o.token_ids == v.token_ids else "DIFFERS from vanilla (bf16 near-tie)"
         print(f">>> {p}\n{o.text}\n[{len(o.token_ids)} tokens, accept length {o.accept_length:.2f}, {same}]\n")
     print(f"{'':12}{'tokens':>8}{'steps':>8}{'accept len':>12}{'tok/s':>9}")
-    for name, s in (("vanilla", van), ("speculative", spec)):
-        print(f"{name:12}{s.generated_tokens:>8}{s.verify_steps:>8}{s.accept_length:>12.2f}{s.tokens_per_s:>9.1f}")
-    print(f"speed-up: {spec.tokens_per_s / van.tokens_per_s:.2f}x")
+    for name, st in (("vanilla", van), ("speculative", spec_stats)):
+        print(f"{name:12}{st.generated_tokens:>8}{st.verify_steps:>8}{st.accept_length:>12.2f}{st.tokens_per_s:>9.1f}")
+    print(f"speed-up: {spec_stats.tokens_per_s / van.tokens_per_s:.2f}x")
     return 0
 
 

@@ -41,9 +41,9 @@ def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: 
 
 def add_spec_args(p) -> None:
     g = p.add_argument_group("draft tree (SGLang semantics)")
-    g.add_argument("--num-steps", type=int, default=5, help="tree depth (default 5)")
-    g.add_argument("--topk", type=int, default=4, help="branching per step (default 4)")
-    g.add_argument("--num-draft-tokens", type=int, default=16, help="tokens verified per step incl. the root (default 16)")
+    g.add_argument("--num-steps", type=int, default=5, help="tree depth (default %(default)s)")
+    g.add_argument("--topk", type=int, default=4, help="branching per step (default %(default)s)")
+    g.add_argument("--num-draft-tokens", type=int, default=16, help="tokens verified per step incl. the root (default %(default)s)")
 
 
 def add_cli(sub) -> None:
