@@ -125,7 +125,8 @@ class Eagle3Config:
             vocab_size=need("vocab_size"), draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
             target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
             aux_layer_ids=list(aux), head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it rope_theta=rope_theta, rope_scaling=rope_scaling,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             hidden_act=d.get("hidden_act", "silu"), torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError, Eagle3Config
+from .config import Eagle3Config
 
 # attend(q [B, nH, T, D], k [B, nKV, T, D], v [B, nKV, T, D]) -> [B, nH, T, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -52,6 +52,11 @@ def test_round_trip_is_exact(saved):
     for k, v in back.state_dict().items():
         assert torch.equal(v, ref[k]), k
     assert back.config.to_dict() == Eagle3Config.load(path).to_dict()
+    assert back.config.to_dict() == d.config.to_dict()          # nothing falls back to a default on load
+    d.config.rope_theta, d.config.rms_norm_eps = 123456.0, 3e-6      # non-default values survive the round trip
+    d.save_pretrained(path)
+    back = Eagle3DraftModel.from_pretrained(path)
+    assert (back.config.rope_theta, back.config.rms_norm_eps) == (123456.0, 3e-6)
 
 
 def corrupt(path, fn):
