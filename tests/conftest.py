@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random targets of each supported family, drafts, and a tokenizer folder."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -78,6 +79,30 @@ def save_tiny_model_folder(path, model_type="llama", vocab_size=96, seed=0):
     hf.save_pretrained(path)
     fast.save_pretrained(path)
     return str(path)
+
+
+def edit_tensors(folder, fn):
+    """Apply fn to the state dict of folder/model.safetensors and write it back (to build broken checkpoints)."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    fn(state)
+    save_file(state, path)
+
+
+class JSONHandler(__import__("http.server").server.BaseHTTPRequestHandler):
+    """Base of the local fake servers in the tests: quiet, answers JSON."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 @pytest.fixture(scope="session")

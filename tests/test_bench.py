@@ -6,12 +6,12 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
-from conftest import save_tiny_model_folder
+from conftest import JSONHandler, save_tiny_model_folder
 from sglang_eagle3.bench import report
 from sglang_eagle3.bench.acceptance import main as acceptance_main
 from sglang_eagle3.bench.tune import ProfileError, adaptive_config, load_profile, select_best, tree_grid
@@ -228,21 +228,10 @@ def test_adaptive_config_accepted_by_sglang(tmp_path):
 # ---- tune_spec: a SGLang server (fake, same response fields) ----------------------------------------
 
 
-class FakeSGLang(BaseHTTPRequestHandler):
+class FakeSGLang(JSONHandler):
     tree = None                    # (steps, topk, ndt) or None
     model = "/models/tiny"
     delay = {}                     # batch size -> seconds per request
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):
         t = type(self).tree

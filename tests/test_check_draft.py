@@ -9,8 +9,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from conftest import edit_tensors
 from sglang_eagle3.check_draft import ERROR, OK, WARN, add_cli, check_draft, format_table, has_errors
 from sglang_eagle3.config import Eagle3Config
 from sglang_eagle3.draft import Eagle3DraftModel
@@ -57,13 +58,6 @@ def edit_config(d, fn):
     fn(c)
     with open(p, "w") as f:
         json.dump(c, f)
-
-
-def edit_tensors(d, fn):
-    p = os.path.join(d, "model.safetensors")
-    state = load_file(p)
-    fn(state)
-    save_file(state, p)
 
 
 def errors(findings):

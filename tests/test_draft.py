@@ -4,9 +4,9 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import random_draft, tiny_target
+from conftest import edit_tensors, random_draft, tiny_target
 from sglang_eagle3.config import ConfigError, Eagle3Config
 from sglang_eagle3.draft import CheckpointError, Eagle3DraftModel
 
@@ -59,22 +59,15 @@ def test_round_trip_is_exact(saved):
     assert (back.config.rope_theta, back.config.rms_norm_eps) == (123456.0, 3e-6)
 
 
-def corrupt(path, fn):
-    f = os.path.join(path, "model.safetensors")
-    state = load_file(f)
-    fn(state)
-    save_file(state, f)
-
-
 def test_missing_extra_misshaped_tensors_are_named(saved):
     _, _, path = saved
-    corrupt(path, lambda s: s.pop("midlayer.mlp.up_proj.weight"))
+    edit_tensors(path, lambda s: s.pop("midlayer.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor midlayer\.mlp\.up_proj\.weight \(expected shape \[96, 64\]\)"):
         Eagle3DraftModel.from_pretrained(path)
-    corrupt(path, lambda s: s.update({"midlayer.mlp.up_proj.weight": torch.zeros(96, 64), "bogus": torch.zeros(2)}))
+    edit_tensors(path, lambda s: s.update({"midlayer.mlp.up_proj.weight": torch.zeros(96, 64), "bogus": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor bogus \(shape \[2\]\)"):
         Eagle3DraftModel.from_pretrained(path)
-    corrupt(path, lambda s: (s.pop("bogus"), s.update({"lm_head.weight": torch.zeros(41, 64)})))
+    edit_tensors(path, lambda s: (s.pop("bogus"), s.update({"lm_head.weight": torch.zeros(41, 64)})))
     with pytest.raises(CheckpointError, match=r"lm_head\.weight has shape \[41, 64\], config\.json implies \[40, 64\]"):
         Eagle3DraftModel.from_pretrained(path)
 

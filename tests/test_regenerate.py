@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
+
+from conftest import JSONHandler
 
 from sglang_eagle3.regenerate import (EngineGenerator, OpenAIGenerator, RegenStats, load_conversations,
                                       regenerate, regenerate_batch)
@@ -150,16 +152,8 @@ def test_cli_with_in_process_engine(tmp_path, chats, capsys):
 
 
 # ---- OpenAI-compatible server stub -------------------------------------------------------------
-class Stub(BaseHTTPRequestHandler):
+class Stub(JSONHandler):
     requests: list = []
-
-    def _send(self, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):
         self._send({"object": "list", "data": [{"id": "stub-model", "object": "model", "created": 0, "owned_by": "me"}]})
@@ -176,8 +170,6 @@ class Stub(BaseHTTPRequestHandler):
                                  "message": {"role": "assistant", "content": text}}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
