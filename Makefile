@@ -6,7 +6,7 @@ DATA   ?= $(or $(EAGLE3_DATA),../shared/data)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test demo testbed data train bench-decode bench-acceptance tune-spec clean
+.PHONY: help venv test demo testbed regenerate data dump train bench-decode bench-acceptance tune-spec clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -34,18 +34,37 @@ demo: $(STAMP)  ## speculative decoding on the embedded target: text + stats
 bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs our vanilla vs speculative
 	$(BIN)/python bench/bench_decode.py --data $(DATA)
 
-RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v1
+# The embedded draft's recipe, one resumable stage per target (each prints progress + ETA; rerun to resume).
+RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v2
+REGEN_ROWS ?= 320
 TRAIN_INPUTS ?= $(DATA)/train/sharegpt_1k.jsonl $(DATA)/train/alpaca_en_demo.json $(DATA)/train/gsm8k_train.jsonl \
-                $(DATA)/train/glaive_toolcall_en_demo.json $(wildcard $(RUN)/regen_snapshot.jsonl)
-data: $(STAMP)  ## tokenize the shared training data for the embedded target (+ draft vocab coverage table)
+                $(DATA)/train/glaive_toolcall_en_demo.json $(RUN)/regen_sharegpt.jsonl
+STEPS  ?= 400
+LR     ?= 1e-3
+NPROC  ?= 1
+THREADS ?= 2
+FEATURES ?= fused
+FEATURE_LOSS ?= 0
+TRAIN_OUT ?= $(RUN)/train
+regenerate: $(STAMP)  ## answer REGEN_ROWS ShareGPT prompts with the embedded target itself (resumable)
+	$(BIN)/eagle3 regenerate $(DATA)/train/sharegpt_prompts.jsonl --target testbed --dtype bfloat16 \
+	    --out $(RUN)/regen_sharegpt.jsonl --max-new-tokens 256 --batch-size 32 --max-rows $(REGEN_ROWS)
+
+data: $(STAMP)  ## tokenize the training mix (+ regenerated answers) and build the draft vocab (coverage table)
+	@test -f $(RUN)/regen_sharegpt.jsonl || { echo "run 'make regenerate' first"; exit 2; }
 	$(BIN)/eagle3 prepare-data $(TRAIN_INPUTS) --target testbed --out $(RUN)/data --max-length 768 \
 	    --max-rows 400 --draft-vocab-size 8192 --overwrite
 
-train: $(STAMP)  ## train the embedded target's draft on CPU (2 ranks, DeepSpeed ZeRO-2, online features; resumes)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 train/train_eagle3.py --target testbed \
-	    --data $(RUN)/data --out $(RUN)/train --draft-vocab-size 8192 --max-length 768 --lr 3e-4 \
-	    --warmup-ratio 0.05 --grad-accum 4 --max-steps $(or $(STEPS),100) --eval-every 25 --save-every 10 \
-	    --eval-rows 16 --deepspeed-config train/ds_zero2.json --resume
+dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards (resumable; ~3.1 GB)
+	$(BIN)/python train/dump_hidden_states.py --target testbed --data $(RUN)/data --out $(RUN)/dump \
+	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096
+
+train: $(STAMP)  ## train the draft from the dump (resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) train/train_eagle3.py \
+	    --target testbed --data $(RUN)/dump --out $(TRAIN_OUT) --draft-vocab $(RUN)/data/draft_vocab.safetensors \
+	    --max-length 768 --lr $(LR) --warmup-ratio 0.03 --min-lr-ratio 0.1 --grad-accum 4 --max-steps $(STEPS) \
+	    --eval-every 50 --save-every 25 --eval-rows 16 --features $(FEATURES) --feature-loss-weight $(FEATURE_LOSS) \
+	    $(if $(filter 1,$(NPROC)),--backend ddp,--deepspeed-config train/ds_zero2.json) --resume
 
 DRAFT ?= $(error set DRAFT=path/to/eagle3-draft)
 bench-acceptance: $(STAMP)  ## bench/bench_acceptance.py: tau and speed-up per eval set (needs DRAFT=...)

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
     add_spec_args(ap)
-    ap.set_defaults(num_steps=3, topk=2, num_draft_tokens=6)   # a small tree suits the shipped early draft (tau ~1.2)
+    ap.set_defaults(num_steps=3, topk=2, num_draft_tokens=6)   # a small tree suits the shipped early draft (tau ~1.4)
     a = ap.parse_args(argv)
 
     mt = os.path.join(a.data, "eval", "mt_bench.jsonl")

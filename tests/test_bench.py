@@ -338,14 +338,14 @@ def test_ablation_table_lines_up_drafts_and_refuses_mismatched_runs(env, tmp_pat
     assert acceptance(env, c, "--datasets", "mt_bench,gsm8k", "--max-new-tokens", "4") == 0
     capsys.readouterr()
     out = tmp_path / "abl.json"
-    assert ablation_main(["--row", f"fused={a}", "--row", f"again={b}", "--out", str(out)]) == 0
+    assert ablation_main(["--row", f"fused={a}", "--row", f"again (w=1)={b}", "--out", str(out)]) == 0
     table = json.loads(out.read_text())
     res_a = json.loads(a.read_text())
-    assert [r["label"] for r in table["rows"]] == ["fused", "again"]
+    assert [r["label"] for r in table["rows"]] == ["fused", "again (w=1)"]
     assert table["rows"][0]["tau"] == {s: res_a["sets"][s]["tau"] for s in ("mt_bench", "gsm8k")}
     assert table["rows"][0]["train"] is None                       # init-draft output: no trainer summary
     rows = report.parse_markdown_table((tmp_path / "abl.md").read_text())
-    assert rows[0][:3] == ["Draft", "MT-bench τ", "GSM8K τ"] and [r[0] for r in rows[1:]] == ["fused", "again"]
+    assert rows[0][:3] == ["Draft", "MT-bench τ", "GSM8K τ"] and [r[0] for r in rows[1:]] == ["fused", "again (w=1)"]
     assert rows[1][1] == f"{res_a['sets']['mt_bench']['tau']:.2f}"
     assert ablation_main(["--row", f"fused={a}", "--row", f"short={c}", "--out", str(out)]) == 2
     assert "max_new_tokens=4" in capsys.readouterr().err

@@ -23,7 +23,7 @@ SAME_SETTINGS = ("target", "dtype", "temperature", "seed", "max_new_tokens", "sp
 
 def parse_row(spec: str) -> tuple[str, str]:
     from ..cli import UserError
-    label, sep, path = spec.partition("=")
+    label, sep, path = spec.rpartition("=")          # labels may hold "=" (w=1); paths rarely do
     if not sep or not label.strip() or not path.strip():
         raise UserError(f"--row {spec!r}: expected LABEL=RESULTS.json")
     return label.strip(), path.strip()
