@@ -39,12 +39,12 @@ RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v2
 REGEN_ROWS ?= 320
 TRAIN_INPUTS ?= $(DATA)/train/sharegpt_1k.jsonl $(DATA)/train/alpaca_en_demo.json $(DATA)/train/gsm8k_train.jsonl \
                 $(DATA)/train/glaive_toolcall_en_demo.json $(RUN)/regen_sharegpt.jsonl
-STEPS  ?= 400
+STEPS  ?= 180
 LR     ?= 1e-3
 NPROC  ?= 1
 THREADS ?= 2
 FEATURES ?= fused
-FEATURE_LOSS ?= 0
+FEATURE_LOSS ?= 1
 TRAIN_OUT ?= $(RUN)/train
 regenerate: $(STAMP)  ## answer REGEN_ROWS ShareGPT prompts with the embedded target itself (resumable)
 	$(BIN)/eagle3 regenerate $(DATA)/train/sharegpt_prompts.jsonl --target testbed --dtype bfloat16 \
