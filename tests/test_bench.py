@@ -367,3 +367,16 @@ def test_ablation_row_reads_the_trainer_summary_next_to_an_exported_draft(tmp_pa
     summary["export"] = str(tmp_path / "elsewhere")                 # a summary of another export: ignored
     (out / "train_summary.json").write_text(json.dumps(summary))
     assert train_summary(str(out / "draft")) is None
+
+
+def test_ablation_table_refuses_files_that_are_not_acceptance_results(tmp_path, capsys):
+    from sglang_eagle3.bench.ablation import main as ablation_main
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"sets": {}, "config": {}}))          # right keys, no bench_acceptance format tag
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    out = str(tmp_path / "abl.json")
+    assert ablation_main(["--row", f"x={other}", "--out", out]) == 2
+    assert "not a bench_acceptance result" in capsys.readouterr().err
+    assert ablation_main(["--row", f"x={broken}", "--out", out]) == 2
+    assert "broken.json: not valid JSON" in capsys.readouterr().err

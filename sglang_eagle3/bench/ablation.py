@@ -12,11 +12,10 @@ are added to the row.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from . import report
-from .acceptance import PAPER_NAMES
+from .acceptance import FORMAT, PAPER_NAMES
 
 SAME_SETTINGS = ("target", "dtype", "temperature", "seed", "max_new_tokens", "spec", "ignore_eos")
 
@@ -31,15 +30,14 @@ def parse_row(spec: str) -> tuple[str, str]:
 
 def load_result(path: str) -> dict:
     from ..cli import UserError
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file (run bench/bench_acceptance.py --out {path} first)")
     try:
-        with open(path) as f:
-            result = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file (run bench/bench_acceptance.py --out {path} first)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not JSON ({e})") from None
-    if not isinstance(result, dict) or "sets" not in result or "config" not in result:
-        raise UserError(f"{path}: not a bench_acceptance result (no 'sets'/'config')")
+        result = report.read_json(path)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not isinstance(result, dict) or result.get("format") != FORMAT:
+        raise UserError(f"{path}: not a bench_acceptance result (format is not {FORMAT!r})")
     return result
 
 
@@ -48,8 +46,7 @@ def train_summary(draft_dir: str) -> dict | None:
     path = os.path.join(os.path.dirname(os.path.abspath(draft_dir)), "train_summary.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        s = json.load(f)
+    s = report.read_json(path)
     if os.path.abspath(s.get("export") or "") != os.path.abspath(draft_dir):
         return None
     c = s.get("config", {})
