@@ -50,6 +50,8 @@ class Eagle3Config:
     torch_dtype: str = "bfloat16"
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None
+    fc_norm: bool = False                # EAGLE-3.1: one RMSNorm per aux feature before fc
+    norm_output: bool = False            # EAGLE-3.1: the next draft step reads the final-normed output
     extra: dict = field(default_factory=dict)  # unknown keys, kept on round-trip
 
     def __post_init__(self):
@@ -94,6 +96,8 @@ class Eagle3Config:
             "torch_dtype": self.torch_dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            **({"fc_norm": True} if self.fc_norm else {}),
+            **({"norm_output": True} if self.norm_output else {}),
             "eagle_config": {**d.get("eagle_config", {}),
                              "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
@@ -117,7 +121,10 @@ class Eagle3Config:
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
         rope_scaling = _rope_scaling(d.get("rope_scaling") or rope_params)
         known = {f.name for f in dataclasses.fields(cls)} | {
-            "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters"}
+            "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters", "use_aux_norm"}
+        if _flag(d, "norm_before_fc", where) or _flag((d.get("eagle_config") or {}), "norm_before_fc", where):
+            raise ConfigError(f"{where}: norm_before_fc=true (one RMSNorm over the concatenated features) is not "
+                              "supported; EAGLE-3.1's fc_norm (one norm per feature) is")
         return cls(
             hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
             num_attention_heads=need("num_attention_heads"),
@@ -130,6 +137,8 @@ class Eagle3Config:
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             hidden_act=d.get("hidden_act", "silu"), torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            fc_norm=_flag(d, "fc_norm", where) or _flag(d, "use_aux_norm", where),
+            norm_output=_flag(d, "norm_output", where),
             extra={k: v for k, v in d.items() if k not in known or k == "eagle_config"},
         )
 
@@ -174,6 +183,15 @@ class Eagle3Config:
         )
 
 
+def _flag(d: dict, key: str, where: str) -> bool:
+    v = d.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key}={v!r} must be true or false")
+    return v
+
+
 def _rope_scaling(rope: Optional[dict]) -> Optional[dict]:
     """Legacy `rope_scaling` from either spelling; None for plain RoPE (transformers 5 folds the type and
     theta into `rope_parameters`)."""
@@ -206,3 +224,55 @@ class SpecConfig:
         if self.num_draft_tokens > max_tokens:
             raise ConfigError(f"--num-draft-tokens={self.num_draft_tokens} exceeds what num_steps={self.num_steps}, "
                               f"topk={self.topk} can draft ({max_tokens})")
+
+    @property
+    def key(self) -> str:
+        return f"steps{self.num_steps}_topk{self.topk}_ndt{self.num_draft_tokens}"
+
+
+PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
+
+
+class SpecProfile:
+    """Tree shape (or no speculation) per running batch size, from bench/tune_spec.py's profile JSON.
+
+    A batch size without its own entry uses the largest measured one below it (the smallest above it if
+    none is below), the routing SGLang applies to its adaptive config."""
+
+    def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = ""):
+        if not table:
+            raise ConfigError(f"{source or 'profile'}: no batch sizes")
+        self.table, self.source = dict(sorted(table.items())), source
+
+    @classmethod
+    def load(cls, path: str) -> "SpecProfile":
+        if not os.path.isfile(path):
+            raise ConfigError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
+        try:
+            with open(path) as f:
+                prof = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        table = prof.get("per_batch_size") if isinstance(prof, dict) else None
+        if not isinstance(table, dict) or not table or not all(str(k).isdigit() for k in table):
+            raise ConfigError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
+        out = {}
+        for k, entry in table.items():
+            if entry is None or (isinstance(entry, dict) and entry.get("speculation") is False):
+                out[int(k)] = None
+                continue
+            try:
+                out[int(k)] = SpecConfig(int(entry["num_steps"]), int(entry["topk"]), int(entry["num_draft_tokens"]))
+            except (KeyError, TypeError, ValueError, ConfigError) as e:
+                raise ConfigError(f"{path}: per_batch_size[{k}]: not a valid tree ({e})") from None
+        return cls(out, path)
+
+    def for_batch_size(self, batch_size: int) -> Optional[SpecConfig]:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        keys = list(self.table)
+        below = [k for k in keys if k <= batch_size]
+        return self.table[below[-1] if below else keys[0]]
+
+    def trees(self) -> list[SpecConfig]:
+        return [t for t in self.table.values() if t is not None]

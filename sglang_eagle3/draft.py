@@ -3,6 +3,7 @@
 Weight names equal SGLang's `LlamaForCausalLMEagle3` checkpoint names (and the official EAGLE-3 ones):
 
     fc.weight                                   [H, n_aux * H_target]   fuses low/mid/high target features
+    fc_norm.{0,1,2}.weight                      [H_target]              EAGLE-3.1 only: RMSNorm per feature
     midlayer.hidden_norm.weight                 [H]                     RMSNorm of the fed hidden state
     midlayer.input_layernorm.weight             [H]                     RMSNorm of the token embedding
     midlayer.self_attn.{q,k,v}_proj.weight      [heads * head_dim, 2H]  reads norm(embed) ++ hidden_norm(hidden)
@@ -15,6 +16,8 @@ Weight names equal SGLang's `LlamaForCausalLMEagle3` checkpoint names (and the o
     t2d                                         [vocab_size] bool          target token is in the draft vocab
 
 The token embedding is the target's, frozen and never saved (`set_embedding`).
+EAGLE-3.1 (config `fc_norm`, `norm_output`): fc reads cat(N0(low), N1(mid), N2(high)), and the next draft
+step reads the draft's final-normed output instead of its pre-norm hidden state (`next_hidden`).
 Attention is delegated to a callable, so inference (KV cache + tree mask) and training-time test
 (causal + per-step diagonal keys) run the very same layer code.
 """
@@ -151,6 +154,8 @@ class Eagle3DraftModel(nn.Module):
         super().__init__()
         self.config = config
         H = config.hidden_size
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                     for _ in range(config.num_aux)) if config.fc_norm else None
         self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
@@ -204,8 +209,15 @@ class Eagle3DraftModel(nn.Module):
         return self.midlayer(embeds, hidden_states, cos, sin, attend or sdpa_attend(None))
 
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Fused features g = fc([l; m; h]): [.., n_aux*H_target] -> [.., H]."""
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        """Fused features g = fc([l; m; h]) (EAGLE-3.1: fc([N0(l); N1(m); N2(h)])): [.., n_aux*H_target] -> [.., H]."""
+        x = aux_hidden_states.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads: the pre-norm output (EAGLE-3) or the normed one (norm_output)."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., H] -> draft-vocab logits [.., draft_vocab_size]."""
@@ -240,6 +252,22 @@ class Eagle3DraftModel(nn.Module):
         if dtype is None:
             dtype = getattr(torch, config.torch_dtype, torch.float32)
         return model.to(device=device, dtype=dtype).eval()
+
+    def check_runtime(self) -> None:
+        """The cheap checks check-draft makes, run when an engine loads the draft: finite weights and a
+        consistent vocabulary map (a broken one would serve at acceptance length ~1 without a word)."""
+        for name, p in self.named_parameters():
+            if not torch.isfinite(p).all():
+                raise CheckpointError(f"draft tensor {name} holds NaN or inf values")
+        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
+        ids = torch.arange(Vd, device=self.d2t.device) + self.d2t
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise CheckpointError(f"draft d2t maps draft ids outside the target vocabulary [0, {V})")
+        if ids.unique().numel() != Vd:
+            raise CheckpointError("draft d2t maps two draft ids to the same target token")
+        if int(self.t2d.sum()) != Vd or not bool(self.t2d[ids].all()):
+            raise CheckpointError("draft t2d does not mark exactly the target ids d2t maps to (d2t/t2d disagree: "
+                                  "a shifted or rebuilt vocabulary map)")
 
     def check_target(self, target_config, aux_layer_ids: Optional[list[int]] = None) -> None:
         """Refuse a draft that cannot work with this target (vocab, hidden size, layer ids)."""

@@ -1,8 +1,10 @@
-"""Static KV cache shared by the target runtime and the draft, plus the attention it implies.
+"""The KV pool shared by the target runtime and the draft: fixed rows, fixed slots, per-row lengths.
 
-Layout: k, v [num_layers, B, n_kv_heads, S_max, head_dim]; `lens[b]` slots are committed.
-A forward writes its new tokens right after the committed slots (uncommitted); `commit` keeps
-the accepted ones, moved to contiguous slots, and the rest is simply overwritten later.
+Layout: k, v [num_layers, num_rows, n_kv_heads, max_len, head_dim]; `lens[r]` slots of row r are committed.
+A request owns one row for its lifetime (the scheduler hands rows out and takes them back); nothing is
+ever copied when other requests finish. A forward writes its new tokens right after the committed slots
+(uncommitted); `commit` keeps the accepted ones, moved to contiguous slots, and the rest is simply
+overwritten later. Attention reads each row only up to its own length (kernels.tree_attention).
 """
 from __future__ import annotations
 
@@ -11,87 +13,83 @@ from typing import Optional
 import torch
 
 
-class KVCache:
-    def __init__(self, num_layers, batch_size, num_kv_heads, max_len, head_dim, dtype, device):
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+class KVPool:
+    def __init__(self, num_layers, num_rows, num_kv_heads, max_len, head_dim, dtype, device):
+        shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)   # committed tokens per sequence
+        self.lens = torch.zeros(num_rows, dtype=torch.long, device=device)   # committed slots per row
+
+    @property
+    def num_rows(self) -> int:
+        return self.k.shape[1]
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def commit(self, accepted: list[list[int]]) -> None:
-        """Keep, per sequence, the listed uncommitted slot offsets (in order); drop the others."""
-        for b, idx in enumerate(accepted):
-            if not idx:
-                continue
-            start, n = int(self.lens[b]), len(idx)
-            if list(idx) != list(range(n)):          # compaction: move accepted slots to the front
-                src = torch.tensor(idx, device=self.k.device) + start
-                self.k[:, b, :, start:start + n] = self.k[:, b, :, src]
-                self.v[:, b, :, start:start + n] = self.v[:, b, :, src]
-            self.lens[b] = start + n
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        """A new cache holding only these rows (a copy; done when sequences finish, not per step)."""
-        out = object.__new__(KVCache)
-        out.k, out.v, out.lens = self.k[:, rows].clone(), self.v[:, rows].clone(), self.lens[rows].clone()
-        return out
+    def all_rows(self) -> torch.Tensor:
+        return torch.arange(self.num_rows, device=self.lens.device)
 
-    def check_room(self, extra: int) -> int:
-        """Slots a forward may touch (max committed + extra); raises if the cache is too small."""
-        S = int(self.lens.max()) + extra
-        if S > self.max_len:
-            raise RuntimeError(f"KV cache of {self.max_len} slots is full (needs {S}); raise max_len")
-        return S
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget what the rows hold (a new request takes them over)."""
+        self.lens[rows] = 0
 
+    def check_room(self, rows: torch.Tensor, extra: int) -> None:
+        """Raise if a forward writing `extra` slots past the committed ones would run off a row."""
+        need = int(self.lens[rows].max()) + extra if rows.numel() else 0
+        if need > self.max_len:
+            raise RuntimeError(f"KV cache of {self.max_len} slots per row is full (needs {need}); raise max_len")
 
-def causal_mask(B: int, T: int, device) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+    def commit(self, rows: torch.Tensor, keep: torch.Tensor, num_keep: torch.Tensor) -> None:
+        """Keep, per row, uncommitted slot offsets keep[b, :num_keep[b]] (increasing), moved to the front.
 
+        rows [B]; keep [B, A] int64 (entries past num_keep[b] are ignored); num_keep [B].
+        """
+        B, A = keep.shape
+        if B == 0:
+            return
+        start = self.lens[rows]                                                        # [B]
+        src = start.view(B, 1) + keep                                                  # [B, A]
+        if not torch.equal(keep, torch.arange(A, device=keep.device).expand(B, A)):    # compaction needed
+            r = rows.view(B, 1).expand(B, A)
+            dst = start.view(B, 1) + torch.arange(A, device=keep.device).view(1, A)
+            for cache in (self.k, self.v):                                             # gather first: src >= dst
+                moved = cache[:, r, :, src]                                            # [L, B, A, nKV, D]
+                cache[:, r, :, dst] = moved
+        self.lens[rows] = start + num_keep
 
-def cache_attention_mask(lens: torch.Tensor, new_mask: torch.Tensor, S: int,
-                         num_new: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Attention mask over the first S cache slots -> [B, 1, T, S] bool (True = attend).
-
-    lens [B]: committed slots (all visible). new_mask [B, T, F]: which of the F uncommitted slots
-    lens[b] .. lens[b]+F-1 each of the T queries sees (tree: ancestors + self). num_new [B]: valid query
-    rows; padded rows see only slot 0 so the softmax stays finite (their output is never used).
-    """
-    B, T, Fn = new_mask.shape
-    slots = torch.arange(S, device=lens.device).view(1, 1, S)
-    rel = slots - lens.view(B, 1, 1)                                             # slot -> uncommitted offset
-    in_new = (rel >= 0) & (rel < Fn)
-    mask = torch.gather(new_mask, 2, rel.clamp(0, Fn - 1).expand(B, T, S)) & in_new
-    mask = mask | (rel < 0)
-    if num_new is not None:
-        pad = torch.arange(T, device=lens.device).view(1, T, 1) >= num_new.view(B, 1, 1)
-        mask = torch.where(pad, slots == 0, mask)
-    return mask.unsqueeze(1)
+    def commit_prefix(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Keep the first num_new[b] uncommitted slots of each row (prefill, draft extend)."""
+        self.lens[rows] += num_new
 
 
-def cache_attend(cache: KVCache, layer: int, slot: torch.Tensor, mask: torch.Tensor):
-    """An `attend(q, k, v)` that stores k, v [B, h, T, D] at slot [B, T] and attends over the cache."""
-    B, T = slot.shape
-    batch = torch.arange(B, device=slot.device).view(B, 1).expand(B, T)
-    S = mask.shape[-1]
+def prefill_attention(pool: KVPool, layer: int, rows: torch.Tensor, starts: list[int], counts: list[int],
+                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Long inputs (prefill): store k/v [B, nKV, T, D] at slots starts[b].. of each row and attend causally over
+    the row's committed slots plus its first counts[b] new tokens with SDPA. q [B, nH, T, D] -> [B, nH, T, D]
+    (padded query positions get zeros)."""
+    import torch.nn.functional as F
+    out = torch.zeros_like(q)
+    for b, (r, start, n) in enumerate(zip(rows.tolist(), starts, counts)):
+        pool.k[layer, r, :, start:start + n] = k[b, :, :n]
+        pool.v[layer, r, :, start:start + n] = v[b, :, :n]
+        if start == 0:
+            keys, values, mask = k[b:b + 1, :, :n], v[b:b + 1, :, :n], None
+        else:
+            keys, values = pool.k[layer, r:r + 1, :, :start + n], pool.v[layer, r:r + 1, :, :start + n]
+            slot = torch.arange(start + n, device=q.device)
+            mask = slot.view(1, -1) <= (start + torch.arange(n, device=q.device)).view(-1, 1)
+        out[b:b + 1, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], keys, values, attn_mask=mask,
+                                                             is_causal=mask is None, scale=scale, enable_gqa=True)
+    return out
 
-    def attend(q, k, v):
-        cache.k[layer][batch, :, slot] = k.transpose(1, 2)
-        cache.v[layer][batch, :, slot] = v.transpose(1, 2)
-        return grouped_attention(q, cache.k[layer, :, :, :S], cache.v[layer, :, :, :S], mask)
-    return attend
 
-
-def grouped_attention(q, k, v, mask):
-    """Masked attention with grouped KV heads, as plain matmuls (for a few query tokens this beats the
-    CPU SDPA kernels by a wide margin). q [B, nH, T, D]; k, v [B, nKV, S, D]; mask [B, 1, T, S] bool."""
-    B, nH, T, D = q.shape
-    nKV, S = k.shape[1], k.shape[2]
-    g = nH // nKV
-    scores = torch.matmul(q.reshape(B, nKV, g * T, D), k.transpose(-1, -2)).view(B, nKV, g, T, S)
-    scores = scores.float().mul_(D ** -0.5).masked_fill_(~mask.view(B, 1, 1, T, S), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, nKV, g * T, S)
-    return torch.matmul(probs, v).view(B, nH, T, D)
+def tree_new_mask(B: int, T: int, device, tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which of the T new slots each new query sees: the tree mask [B, T, T] or causal."""
+    if tree_mask is not None:
+        return tree_mask.contiguous()
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T).contiguous()

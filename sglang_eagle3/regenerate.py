@@ -133,6 +133,10 @@ def _scan_partial(path: str) -> set[str]:
     return done
 
 
+def _prompt_chars(conv: Conversation) -> int:
+    return sum(len(m["content"] or "") for m in conv.messages if m["role"] in ("system", "user"))
+
+
 def _append(f, rows: list[dict]) -> None:
     f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     f.flush()
@@ -194,7 +198,8 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
         except OSError:
             raise UserError(f"{partial} is being written by another run") from None
         done = _scan_partial(partial)
-        todo = [c for c in convs if c.key not in done]
+        # Similar lengths in one batch: every row of a batch attends over the longest prompt's cache.
+        todo = sorted((c for c in convs if c.key not in done), key=_prompt_chars)
         stats.already_done = len(convs) - len(todo)
         with open(partial, "a", encoding="utf-8") as f, \
                 tqdm(total=len(todo), desc="regenerating", unit=" conv", disable=not progress) as bar:
@@ -209,16 +214,31 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
                 _append(f, rows)
                 stats.written += len(rows)
                 bar.update(len(batch))
-        os.replace(partial, out)
+        _finish_in_input_order(partial, out, [c.key for c in convs])
     return stats
+
+
+def _finish_in_input_order(partial: str, out: str, keys: list[str]) -> None:
+    """Rows were generated shortest prompt first; the finished file lists them in input order."""
+    order = {k: i for i, k in enumerate(keys)}
+    with open(partial, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    lines.sort(key=lambda line: order.get(json.loads(line)["key"], len(order)))
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    os.remove(partial)
 
 
 # ---- command line ----------------------------------------------------------------------------
 def run(args) -> int:
     if (args.server is None) == (args.target is None):
         raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
-    for name in ("batch_size", "max_new_tokens", "concurrency"):
-        if getattr(args, name) < 1:
+    for name in ("batch_size", "max_new_tokens", "concurrency", "write_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if os.path.exists(args.out) and not args.overwrite:
         print(f"{args.out} is already complete; pass --overwrite to regenerate it")
@@ -240,7 +260,9 @@ def run(args) -> int:
         spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens)
         gen = EngineGenerator(load_engine(args.target, args.draft or "none", spec, args.dtype, args.device),
                               args.max_new_tokens, args.temperature, args.batch_size, args.seed)
-        regenerate(convs, gen, args.out, args.batch_size, args.max_turns, args.overwrite, not args.quiet, stats)
+        # the engine batches continuously: hand it several batches' worth of conversations per call
+        regenerate(convs, gen, args.out, args.write_every or 4 * args.batch_size, args.max_turns, args.overwrite,
+                   not args.quiet, stats)
     print(json.dumps(stats.as_dict(), indent=2))
     print(f"wrote {args.out}")
     return 0
@@ -264,7 +286,9 @@ def add_cli(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16, help="conversations per batch (and per fsync)")
+    p.add_argument("--batch-size", type=int, default=16, help="requests decoded together (server: per batch)")
+    p.add_argument("--write-every", type=int, default=None,
+                   help="in-process engine: conversations per call and per fsync (default 4 x --batch-size)")
     p.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many turns per conversation")
     p.add_argument("--max-rows", type=int, default=None, help="read at most this many rows per input")
     p.add_argument("--overwrite", action="store_true", help="redo a finished OUT")

@@ -1,12 +1,14 @@
 """Target runtime: a HF causal LM run as the verifier, in plain PyTorch.
 
 The weights are transformers' (any Llama / Qwen2 / Qwen3 / Mistral checkpoint); the forward is ours:
-fused qkv and gate_up matmuls, a static per-sequence KV cache, explicit positions and a tree
-attention mask, and capture of EAGLE-3's auxiliary hidden states. Fewer, larger kernels than
-transformers' generic path, which is what matters for memory-bound decoding.
+fused qkv and gate_up matmuls (prepacked for oneDNN in bf16, kernels.PackedLinear), a KV pool of fixed
+rows indexed per request, explicit positions and a tree attention mask, fused RMSNorm / residual /
+SiLU kernels, and capture of EAGLE-3's auxiliary hidden states.
 
-A forward writes its T new tokens right after each sequence's committed KV slots; `KVCache.commit`
-then keeps the accepted ones (see kvcache.py).
+Two attention paths: up to PREFILL_T new tokens per row (decode, tree verify, draft extend) go through
+kernels.tree_attention straight over the pool; longer inputs (prefill) use SDPA per row.
+A forward writes its T new tokens right after each row's committed KV slots; `KVPool.commit` then keeps
+the accepted ones (see kvcache.py).
 """
 from __future__ import annotations
 
@@ -14,20 +16,25 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import kernels as K
 from .config import ConfigError, default_aux_layer_ids
-from .kvcache import KVCache, cache_attend, cache_attention_mask, causal_mask
+from .kvcache import KVPool, prefill_attention, tree_new_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PREFILL_T = 64          # more new tokens per row than this: the SDPA prefill path
 
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor              # [B, T or K, vocab]
+    logits: torch.Tensor              # [B, T or K, vocab] fp32
     aux_hidden_states: torch.Tensor   # [B, T, n_aux * H]: HF output_hidden_states[id + 1] per aux id, concatenated
     last_hidden: torch.Tensor         # [B, T, H]: after the final norm (logits = lm_head(last_hidden))
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 class _Layer(nn.Module):
@@ -36,14 +43,14 @@ class _Layer(nn.Module):
     def __init__(self, hf_layer):
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
-        self.wqkv = nn.Parameter(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), requires_grad=False)
         bias = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-        self.bqkv = None if bias[0] is None else nn.Parameter(torch.cat(bias), requires_grad=False)
-        self.wo = nn.Parameter(a.o_proj.weight, requires_grad=False)
-        self.bo = a.o_proj.bias
-        self.w_gate_up = nn.Parameter(torch.cat([m.gate_proj.weight, m.up_proj.weight]), requires_grad=False)
-        self.w_down = nn.Parameter(m.down_proj.weight, requires_grad=False)
+        self.wqkv = K.PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                                   None if bias[0] is None else torch.cat(bias))
+        self.wo = K.PackedLinear(a.o_proj.weight, a.o_proj.bias)
+        self.w_gate_up = K.PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.w_down = K.PackedLinear(m.down_proj.weight)
         self.input_norm, self.post_norm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+        self.eps = _eps(self.input_norm)
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)   # Qwen3
 
 
@@ -71,8 +78,10 @@ class TargetModel(nn.Module):
         self.embed_tokens = inner.embed_tokens
         self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
         self.norm = inner.norm
+        self.final_eps = _eps(inner.norm)
         self.rotary_emb = inner.rotary_emb
-        self.lm_head = hf_model.lm_head
+        self.lm_head = hf_model.lm_head                      # the module (training reads it); decoding uses:
+        self.lm_head_packed = K.PackedLinear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
         self.requires_grad_(False)
 
     @classmethod
@@ -91,47 +100,73 @@ class TargetModel(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+    def new_cache(self, num_rows: int, max_len: int) -> KVPool:
+        return KVPool(self.num_layers, num_rows, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
 
     @torch.no_grad()
-    def forward(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, cache: KVPool, input_ids: torch.Tensor, positions: torch.Tensor,
                 tree_mask: Optional[torch.Tensor] = None, num_new: Optional[torch.Tensor] = None,
-                logit_index: Optional[torch.Tensor] = None, want_aux: bool = True) -> TargetOutput:
-        """input_ids, positions [B, T]; tree_mask [B, T, T] bool (row = ancestors + self) or None (causal);
-        num_new [B]: valid new tokens per row (the rest is right padding); logit_index [B, K]: only these
-        positions get logits (saves the vocab projection in prefill)."""
+                logit_index: Optional[torch.Tensor] = None, want_aux: bool = True,
+                rows: Optional[torch.Tensor] = None) -> TargetOutput:
+        """input_ids, positions [B, T]; rows [B]: pool rows (default 0..B-1); tree_mask [B, T, T] bool (row =
+        ancestors + self) or None (causal); num_new [B]: valid new tokens per row (the rest is right padding);
+        logit_index [B, K]: only these positions get logits (saves the vocab projection in prefill).
+        Nothing is committed: the caller keeps what it accepts (cache.commit / commit_prefix)."""
         B, T = input_ids.shape
-        S = cache.check_room(T)
-        mask = cache_attention_mask(cache.lens, tree_mask if tree_mask is not None else causal_mask(B, T, input_ids.device),
-                                    S, num_new)
-        slot = cache.lens.view(B, 1) + torch.arange(T, device=input_ids.device).view(1, T)   # [B, T]
-        x = self.embed_tokens(input_ids)                                             # [B, T, H]
+        if rows is None:
+            rows = torch.arange(B, device=input_ids.device)
+        cache.check_room(rows, T)
+        attend = self._attention(cache, rows, T, tree_mask, num_new)
+        x = self.embed_tokens(input_ids)                                             # [B, T, H] residual stream
         cos, sin = self.rotary_emb(x, positions)                                     # [B, T, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        nq, nkv, D = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
-        captured = {}
+        nq = self.num_heads * self.head_dim
+        captured, delta = {}, None
         for i, layer in enumerate(self.layers):
+            w = layer.input_norm.weight
+            h = K.rms_norm(x, w, layer.eps) if delta is None else K.add_rms_norm(x, delta, w, layer.eps)   # x += delta
             if want_aux and i in self.capture_at:
-                captured[i] = x
-            qkv = F.linear(layer.input_norm(x), layer.wqkv, layer.bqkv)
-            q = qkv[..., :nq].view(B, T, -1, D)
-            k = qkv[..., nq:nq + nkv].view(B, T, -1, D)
-            v = qkv[..., nq + nkv:].view(B, T, -1, D)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # [B, h, T, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            o = cache_attend(cache, i, slot, mask)(q, k, v)                          # [B, nH, T, D]
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, nq), layer.wo, layer.bo)
-            gate, up = F.linear(layer.post_norm(x), layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
-        last = self.norm(x)
+                captured[i] = x.clone()
+            o = attend(i, layer, layer.wqkv(h), cos, sin)                            # [B, T, nH * D]
+            h = K.add_rms_norm(x, layer.wo(o), layer.post_norm.weight, layer.eps)    # x += attention
+            delta = layer.w_down(K.silu_and_mul(layer.w_gate_up(h)))
+        last = K.add_rms_norm(x, delta, self.norm.weight, self.final_eps)
         h = last if logit_index is None else torch.gather(last, 1, logit_index.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
         captured[self.num_layers] = last            # id L-1: HF's last hidden state, after the norm ('top' ablation)
         aux_t = torch.cat([captured[i + 1] for i in self.aux_layer_ids], dim=-1) if want_aux else None
-        return TargetOutput(self.lm_head(h).float(), aux_t, last)
+        return TargetOutput(self.lm_head_packed(h).float(), aux_t, last)
+
+    def _attention(self, cache: KVPool, rows, T, tree_mask, num_new):
+        """attend(layer index, layer, qkv [B, T, W], cos, sin) -> [B, T, nH * D] for this forward: the pool kernel
+        for few new tokens (rotary embedding fused in), SDPA per row for prefill."""
+        lens = cache.lens[rows].clone()
+        scale, nH, nKV = self.head_dim ** -0.5, self.num_heads, self.num_kv_heads
+        B = len(rows)
+        if T <= PREFILL_T or tree_mask is not None:
+            new_mask = tree_new_mask(B, T, rows.device, tree_mask)
+
+            def attend(i, layer, qkv, cos, sin):
+                if layer.q_norm is None:
+                    return K.qkv_attention(qkv, cos, sin, nH, nKV, cache.k[i], cache.v[i], rows, lens, lens,
+                                           new_mask, scale)
+                q, k, v = self._heads(layer, qkv, cos, sin)
+                o = K.tree_attention(q, k, v, cache.k[i], cache.v[i], rows, lens, lens, new_mask, scale)
+                return o.transpose(1, 2).reshape(B, T, -1)
+            return attend
+        counts = [T] * B if num_new is None else num_new.tolist()
+        starts = lens.tolist()
+
+        def attend_prefill(i, layer, qkv, cos, sin):
+            q, k, v = self._heads(layer, qkv, cos, sin)
+            return prefill_attention(cache, i, rows, starts, counts, q, k, v, scale).transpose(1, 2).reshape(B, T, -1)
+        return attend_prefill
+
+    def _heads(self, layer, qkv, cos, sin):
+        """q [B, nH, T, D], k, v [B, nKV, T, D] with the rotary embedding (and Qwen3's q/k norms) applied."""
+        q, k, v = K.split_heads(qkv, self.num_heads, self.num_kv_heads)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return K.apply_rope(q.transpose(1, 2), cos, sin), K.apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
@@ -141,10 +176,6 @@ class TargetModel(nn.Module):
         num_new = attention_mask.sum(1).long() if attention_mask is not None else None
         cache = self.new_cache(B, T)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        out = self.forward(cache, input_ids, positions, num_new=num_new, logit_index=torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
+        out = self.forward(cache, input_ids, positions, num_new=num_new,
+                           logit_index=torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
         return out.aux_hidden_states, out.last_hidden
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)

@@ -4,32 +4,64 @@ num_steps: depth (levels of draft tokens below the root); topk: children expande
 num_draft_tokens: tokens verified per step *including* the root (the last verified token).
 
 Step 1 uses the draft's output from the extend over the target's fused features; each later step
-runs the draft on the `topk` best frontier nodes, feeding the draft's own hidden output with the
-chosen token's embedding. Every expanded child is a candidate scored by its cumulative log-prob;
-the best num_draft_tokens - 1 candidates (always closed under ancestors) form the tree.
+runs the draft once on the `topk` best frontier nodes of every row (one batched forward per level),
+feeding the draft's own hidden output with the chosen token's embedding. Every expanded child is a
+candidate scored by its cumulative log-prob; the best num_draft_tokens - 1 candidates (always closed
+under ancestors) form the tree. Mask, depths, positions and retrieve paths are tensor operations.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from . import kernels as K
 from .config import SpecConfig
-from .kvcache import KVCache, cache_attend, cache_attention_mask
+from .kvcache import KVPool
 
 
 @dataclass
 class DraftTree:
     tokens: torch.Tensor      # [B, N] target token ids; node 0 = root (last verified token)
-    parents: torch.Tensor     # [B, N] parent node index, -1 for the root
+    parents: torch.Tensor     # [B, N] parent node index, -1 for the root; parents precede children
     depth: torch.Tensor       # [B, N] 0 for the root
     mask: torch.Tensor        # [B, N, N] bool: row i = ancestors of i plus i
     positions: torch.Tensor   # [B, N] root position + depth
-    paths: torch.Tensor       # [B, P, max_depth + 1] root-to-leaf node indices, -1 padded
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def paths(self) -> torch.Tensor:
+        """Retrieve paths [B, P, max_depth + 1]: root-to-leaf node indices per leaf, -1 padded."""
+        B, N = self.parents.shape
+        Dm = int(self.depth.max()) + 1
+        by_depth = torch.full((B, N, Dm + 1), -1, dtype=torch.long, device=self.parents.device)
+        slot = torch.where(self.mask, self.depth.unsqueeze(1), Dm)                      # [B, N, N]
+        by_depth.scatter_(2, slot, torch.arange(N, device=slot.device).expand(B, N, N))
+        by_depth = by_depth[..., :Dm]                                                    # [B, N, Dm] ancestors of i
+        is_parent = torch.zeros(B, N, dtype=torch.bool, device=self.parents.device)
+        is_parent.scatter_(1, self.parents.clamp(min=0), self.parents >= 0)
+        leaf = ~is_parent
+        P = int(leaf.sum(1).max())
+        order = torch.sort((~leaf).long(), dim=1, stable=True).indices[:, :P]          # leaves first, in order
+        paths = torch.gather(by_depth, 1, order.unsqueeze(-1).expand(B, P, Dm))
+        return torch.where(torch.gather(leaf, 1, order).unsqueeze(-1), paths, -1)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] (-1 = root) -> [B, N, N] bool, row i = ancestors of i plus i (pointer doubling)."""
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device)
+    step = torch.zeros(B, N, N + 1, dtype=torch.bool, device=parents.device)
+    step.scatter_(2, torch.where(parents < 0, N, parents).unsqueeze(-1), True)
+    mask = step[..., :N] | eye                                                          # self + parent
+    for _ in range(max(0, math.ceil(math.log2(max(N, 2))))):
+        m = mask.float()
+        mask = torch.bmm(m, m) > 0
+    return mask
 
 
 def build_draft_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens) -> DraftTree:
@@ -40,57 +72,54 @@ def build_draft_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_p
     scores (stable: on ties the earlier candidate, hence the parent, wins, so the set is ancestor-closed).
     """
     B, C = cand_tokens.shape
+    dev = cand_tokens.device
     n = min(num_draft_tokens - 1, C)
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :n]
     chosen = torch.sort(order, dim=1).values                                   # [B, n] creation order
-    node_of = torch.full((B, C + 1), -1, dtype=torch.long, device=cand_tokens.device)   # candidate -> node
-    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=cand_tokens.device).expand(B, n))
+    node_of = torch.full((B, C + 1), -1, dtype=torch.long, device=dev)         # candidate -> node
+    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=dev).expand(B, n))
     node_of[:, C] = 0                                                          # parent -1 (index C) -> root
     par_cand = torch.gather(cand_parents, 1, chosen)
     parents = torch.gather(node_of, 1, torch.where(par_cand < 0, C, par_cand))
     if (parents < 0).any():
         raise AssertionError("draft tree selection is not closed under ancestors")
-    N = n + 1
-    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=parents.device), parents], 1)
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], 1)   # [B, N]
     tokens = torch.cat([root_tokens.view(B, 1), torch.gather(cand_tokens, 1, chosen)], 1)
-    mask = torch.eye(N, dtype=torch.bool, device=tokens.device).repeat(B, 1, 1)
-    depth = torch.zeros(B, N, dtype=torch.long, device=tokens.device)
-    rows = torch.arange(B, device=tokens.device)
-    for i in range(1, N):                                                      # parents precede children
-        p = parents[:, i]
-        mask[:, i] |= mask[rows, p]
-        depth[:, i] = depth[rows, p] + 1
-    return DraftTree(tokens, parents, depth, mask, root_positions.view(B, 1) + depth, _leaf_paths(parents, depth))
+    mask = ancestor_mask(parents)
+    depth = mask.sum(-1) - 1
+    return DraftTree(tokens, parents, depth, mask, root_positions.view(B, 1) + depth)
 
 
-def _leaf_paths(parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-    B, N = parents.shape
-    is_parent = torch.zeros(B, N, dtype=torch.bool, device=parents.device)
-    is_parent.scatter_(1, parents[:, 1:].clamp(min=0), True)
-    leaves = ~is_parent
-    P, Dm = int(leaves.sum(1).max()), int(depth.max()) + 1
-    paths = torch.full((B, P, Dm), -1, dtype=torch.long)
-    par, dep, lv = parents.tolist(), depth.tolist(), leaves.tolist()
-    for b in range(B):
-        for j, leaf in enumerate(i for i in range(N) if lv[b][i]):
-            node = leaf
-            while node >= 0:
-                paths[b, j, dep[b][node]] = node
-                node = par[b][node]
-    return paths.to(parents.device)
+def root_only_tree(root_tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
+    """Vanilla decoding: the tree is the last verified token alone."""
+    B = root_tokens.shape[0]
+    z = torch.zeros(B, 1, dtype=torch.long, device=root_tokens.device)
+    return DraftTree(root_tokens.view(B, 1), z - 1, z, torch.ones(B, 1, 1, dtype=torch.bool, device=z.device),
+                     root_positions.view(B, 1))
+
+
+def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new_mask: torch.Tensor, scale: float):
+    """attend(q, k, v) for the draft's single layer: store k/v at write_start.. of each row, attend over the
+    row's committed slots plus the uncommitted ones new_mask [B, T, F] allows."""
+    lens = pool.lens[rows]
+
+    def attend(q, k, v):
+        return K.tree_attention(q, k, v, pool.k[0], pool.v[0], rows, lens, write_start, new_mask, scale)
+    return attend
 
 
 @torch.no_grad()
-def grow_tree(draft, cache: KVCache, first_hidden, first_logits, root_tokens, root_positions,
+def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens, root_positions,
               spec: SpecConfig) -> DraftTree:
-    """Draft a tree for each sequence.
+    """Draft a tree for each row.
 
-    draft: Eagle3DraftModel. cache: its KV cache, committed up to the root's position (exclusive).
+    draft: Eagle3DraftModel. pool: its KV pool; rows [B] committed up to the root's position (exclusive).
     first_hidden [B, H]: draft output at the root's previous position; first_logits [B, draft_vocab]: its logits.
     root_tokens, root_positions [B].
     """
     B, k = root_tokens.shape[0], spec.topk
     device = root_tokens.device
+    scale = draft.config.head_dim ** -0.5
     logp = torch.log_softmax(first_logits.float(), -1)
     scores, draft_ids = logp.topk(k, dim=-1)                                   # [B, k]
     tokens = draft.draft_to_target(draft_ids)
@@ -101,22 +130,24 @@ def grow_tree(draft, cache: KVCache, first_hidden, first_logits, root_tokens, ro
     fwd_mask = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)           # among forwarded nodes
     fwd_parent = torch.full((B, k), -1, dtype=torch.long, device=device)       # forwarded slot of each node's parent
     offset = k
+    if spec.num_steps > 1:
+        pool.check_room(rows, (spec.num_steps - 1) * k)
+    lens = pool.lens[rows]
+    eye = torch.eye(k, dtype=torch.bool, device=device)
     for step in range(1, spec.num_steps):
         F_prev = fwd_mask.shape[1]
         # new rows: parent's row + self
-        rows = torch.zeros(B, k, F_prev + k, dtype=torch.bool, device=device)
-        has_parent = fwd_parent >= 0
+        rows_mask = torch.zeros(B, k, F_prev + k, dtype=torch.bool, device=device)
         if F_prev:
-            rows[:, :, :F_prev] = torch.gather(fwd_mask, 1, fwd_parent.clamp(min=0).unsqueeze(-1).expand(B, k, F_prev)) \
-                & has_parent.unsqueeze(-1)
-        rows[:, :, F_prev:] = torch.eye(k, dtype=torch.bool, device=device)
-        fwd_mask = torch.cat([torch.nn.functional.pad(fwd_mask, (0, k)), rows], 1)   # [B, F, F]
-        slot = cache.lens.view(B, 1) + F_prev + torch.arange(k, device=device).view(1, k)
-        S = cache.check_room(F_prev + k)
-        mask = cache_attention_mask(cache.lens, rows, S)
+            rows_mask[:, :, :F_prev] = torch.gather(fwd_mask, 1, fwd_parent.clamp(min=0).unsqueeze(-1)
+                                                    .expand(B, k, F_prev)) & (fwd_parent >= 0).unsqueeze(-1)
+        rows_mask[:, :, F_prev:] = eye
+        fwd_mask = torch.cat([torch.nn.functional.pad(fwd_mask, (0, k)), rows_mask], 1)   # [B, F, F]
         positions = (root_positions - 1 + step).view(B, 1).expand(B, k)
-        out = draft(tokens, hidden, positions, attend=cache_attend(cache, 0, slot, mask), fuse=False)   # [B, k, H]
+        attend = pool_attend(pool, rows, lens + F_prev, rows_mask, scale)
+        out = draft(tokens, hidden, positions, attend=attend, fuse=False)      # [B, k, H] pre-norm
         logp = torch.log_softmax(draft.compute_logits(out).float(), -1)        # [B, k, Vd]
+        out = draft.next_hidden(out)                                           # what the children read
         child_lp, child_ids = logp.topk(k, dim=-1)                             # [B, k, k]
         child_scores = (scores.unsqueeze(-1) + child_lp).view(B, k * k)
         child_tokens = draft.draft_to_target(child_ids).view(B, k * k)

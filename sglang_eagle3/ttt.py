@@ -183,7 +183,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             if k == 0:
                 accept_count = v.sum().float()
             accept_sum = accept_sum + alive.sum().float()
-        hidden = h
+        hidden = draft.next_hidden(h)                                       # EAGLE-3.1: normed
     return TTTOutput(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count),
                      accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
 

@@ -1,7 +1,9 @@
 """Lossless verification of a draft tree against the target's distribution.
 
 Greedy: follow, from the root, the child whose token equals the target's argmax; stop where none
-does and emit the target's own argmax there (the bonus token).
+does and emit the target's own argmax there (the bonus token). `accept_greedy` does it for a whole batch
+with tensor operations: a node is accepted when it and all its ancestors match the target's argmax at
+their parents; siblings are distinct tokens, so the accepted nodes form one root path.
 
 Sampling: tree speculative sampling with the draft treated as deterministic (its children are the
 top-k tokens, not samples). At a node with target distribution p, try its children x1, x2, ... in
@@ -58,6 +60,42 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+@dataclass
+class Acceptance:
+    """One verify step's outcome per row. path [B, N]: accepted node indices (root first), valid up to count;
+    count [B]: accepted nodes incl. the root = tokens emitted; emitted [B, N]: the tokens, valid up to count
+    (the accepted draft tokens, then the bonus token)."""
+    path: torch.Tensor
+    count: torch.Tensor
+    emitted: torch.Tensor
+
+
+def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor,
+                  target_argmax: torch.Tensor) -> Acceptance:
+    """tokens, parents [B, N]; mask [B, N, N] ancestors + self; target_argmax [B, N]."""
+    B, N = tokens.shape
+    want = torch.gather(target_argmax, 1, parents.clamp(min=0))                   # the target's pick at the parent
+    correct = (tokens == want) | (parents < 0)
+    accepted = ~(mask & ~correct.unsqueeze(1)).any(-1)                            # [B, N] whole root path correct
+    count = accepted.sum(1)
+    node = torch.arange(N, device=tokens.device).expand(B, N)
+    path = torch.sort(torch.where(accepted, node, N), dim=1).values               # parents precede children
+    path = torch.where(node < count.view(B, 1), path, node)                       # pad: identity (no KV move)
+    last = torch.gather(path, 1, (count - 1).view(B, 1))
+    bonus = torch.gather(target_argmax, 1, last)                                  # [B, 1]
+    nxt = torch.gather(tokens, 1, torch.cat([path[:, 1:], path[:, -1:]], 1))     # token of the next path node
+    emitted = torch.where(node == (count - 1).view(B, 1), bonus, nxt)
+    return Acceptance(path, count, emitted)
+
+
+def acceptance_from_lists(paths: list[list[int]], emitted: list[list[int]], device) -> Acceptance:
+    """Per-row results (sampling) -> the batched form."""
+    B, A = len(paths), max(len(p) for p in paths)
+    path = torch.tensor([p + list(range(len(p), A)) for p in paths], dtype=torch.long, device=device)
+    tok = torch.tensor([e + [e[-1]] * (A - len(e)) for e in emitted], dtype=torch.long, device=device)
+    return Acceptance(path, torch.tensor([len(p) for p in paths], device=device), tok)
 
 
 def _children(parents: list[int]) -> list[list[int]]:

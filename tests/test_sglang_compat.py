@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(sc.sglang_version() is None,
                                 reason="SGLang is not installed (pip install --no-deps -r requirements-sglang.txt)")
 
 VOCAB = 96
-CASES = [("llama", 32), ("llama", None), ("qwen3", 40), ("qwen2", None)]
+CASES = [("llama", 32, False), ("llama", None, False), ("qwen3", 40, False), ("qwen2", None, False),
+         ("llama", 32, True)]          # last: EAGLE-3.1 (fc_norm + norm_output)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,9 +39,11 @@ def cpu_runtime():
         sc.shutdown_cpu_runtime()
 
 
-def make_draft(hf_config, draft_vocab_size, seed=3) -> Eagle3DraftModel:
+def make_draft(hf_config, draft_vocab_size, seed=3, eagle31=False) -> Eagle3DraftModel:
     torch.manual_seed(seed)
-    draft = Eagle3DraftModel(Eagle3Config.for_target(hf_config, draft_vocab_size=draft_vocab_size))
+    cfg = Eagle3Config.for_target(hf_config, draft_vocab_size=draft_vocab_size)
+    cfg.fc_norm = cfg.norm_output = eagle31
+    draft = Eagle3DraftModel(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if "norm" in name:                      # off their init value, so a swapped norm shows
@@ -50,14 +53,14 @@ def make_draft(hf_config, draft_vocab_size, seed=3) -> Eagle3DraftModel:
     return draft
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-dv{v or 'full'}" for m, v in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-dv{v or 'full'}{'-eagle3.1' if e else ''}" for m, v, e in CASES])
 def case(request, tmp_path_factory):
-    family, draft_vocab = request.param
-    root = tmp_path_factory.mktemp(f"{family}_{draft_vocab}")
+    family, draft_vocab, eagle31 = request.param
+    root = tmp_path_factory.mktemp(f"{family}_{draft_vocab}_{eagle31}")
     hf = tiny_hf_model(family, vocab_size=VOCAB)
     hf.save_pretrained(root / "target")
     ours_target = TargetModel(hf, IdTokenizer())
-    draft = make_draft(hf.config, draft_vocab)
+    draft = make_draft(hf.config, draft_vocab, eagle31=eagle31)
     draft.save_pretrained(str(root / "draft"), dtype=torch.float32)
     draft.set_embedding(ours_target.embed_tokens)
     return dict(hf=hf, target=ours_target, draft=draft, target_dir=str(root / "target"),
@@ -68,7 +71,8 @@ def expected_draft_params(draft: Eagle3DraftModel) -> dict[str, torch.Tensor]:
     """SGLang parameter name -> the tensor it must hold, from our draft."""
     a, m = draft.midlayer.self_attn, draft.midlayer.mlp
     layer = "model.layers.0."
-    return {
+    fc_norm = {f"model.fc_norm.{i}.weight": n.weight for i, n in enumerate(draft.fc_norm or [])}
+    return {**fc_norm,
         "model.fc.weight": draft.fc.weight,
         layer + "self_attn.qkv_proj.weight": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
         layer + "self_attn.o_proj.weight": a.o_proj.weight,
@@ -131,7 +135,8 @@ def test_sglang_forward_matches_ours(case):
     with torch.no_grad():
         h = draft(nxt[None], aux, torch.arange(len(x))[None])         # pre-norm [1, T, H]
         logits = draft.compute_logits(h[0, -1])
-    torch.testing.assert_close(d_out.hidden_states, h[0], rtol=1e-5, atol=1e-5)
+    # what the next draft step reads: pre-norm (EAGLE-3) or normed (EAGLE-3.1 norm_output), in both
+    torch.testing.assert_close(d_out.hidden_states, draft.next_hidden(h)[0], rtol=1e-5, atol=1e-5)
     dv = case["draft_vocab"]
     torch.testing.assert_close(d_out.next_token_logits[0, :dv], logits, rtol=1e-5, atol=1e-5)
     top = logits.argmax()

@@ -37,7 +37,7 @@ def test_decode_and_padded_batch(family):
         ids[b, :len(s)] = torch.tensor(s)
     cache = tm.new_cache(3, 32)
     out = tm(cache, ids, torch.arange(8).expand(3, 8), num_new=lens, logit_index=(lens - 1).view(3, 1))
-    cache.commit([list(range(len(s))) for s in seqs])
+    cache.commit_prefix(torch.arange(3), lens)
     for b, s in enumerate(seqs):
         assert (out.logits[b, 0] - hf_forward(hf, s).logits[0, -1]).abs().max() <= TOL
     nxt = torch.tensor([[40], [41], [42]])
@@ -74,7 +74,7 @@ def test_tree_forward_and_compaction(family):
     depth = [len(path_to(parents, i)) - 1 for i in range(len(parents))]
     cache = tm.new_cache(1, 32)
     tm(cache, torch.tensor([prompt]), torch.arange(7).view(1, 7))
-    cache.commit([list(range(7))])
+    cache.commit_prefix(torch.arange(1), torch.tensor([7]))
     out = tm(cache, torch.tensor([tokens]), torch.tensor([[7 + d for d in depth]]),
              tree_mask=tree_mask_of(parents).unsqueeze(0))
     for i in range(len(tokens)):
@@ -85,7 +85,7 @@ def test_tree_forward_and_compaction(family):
         assert (out.aux_hidden_states[0, i] - aux_ref).abs().max() <= TOL
     # accept the path 0 -> 1 -> 3 -> 6: slots 3 and 6 move next to 0 and 1; then decode one more token
     accepted = [0, 1, 3, 6]
-    cache.commit([accepted])
+    cache.commit(torch.arange(1), torch.tensor([accepted]), torch.tensor([len(accepted)]))
     assert int(cache.lens[0]) == 7 + len(accepted)
     out = tm(cache, torch.tensor([[77]]), torch.tensor([[11]]))
     seq = prompt + [tokens[j] for j in accepted] + [77]
@@ -122,7 +122,7 @@ def test_custom_aux_layers_and_errors():
     with pytest.raises(ConfigError, match="out of range"):
         TargetModel(hf, None, aux_layer_ids=[1, 2, 99])
     cache = t2.new_cache(1, 4)
-    with pytest.raises(RuntimeError, match="KV cache"):
+    with pytest.raises(RuntimeError, match="KV cache of 4 slots"):
         t2(cache, torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5).view(1, 5))
 
 

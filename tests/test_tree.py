@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from conftest import random_draft, tiny_target
 from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.kvcache import KVCache
+from sglang_eagle3.kvcache import KVPool
 from sglang_eagle3.tree import build_draft_tree, grow_tree
 
 
@@ -77,10 +77,11 @@ def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
     tm, _ = tiny_target("llama")
     draft = random_draft(tm, draft_vocab_size=48)
     draft.set_embedding(tm.embed_tokens)
-    cache = KVCache(1, B, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
+    cache = KVPool(1, B, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
     cache.lens[:] = torch.arange(B) + 5
     hidden = torch.randn(B, draft.config.hidden_size)
-    tree = grow_tree(draft, cache, hidden, draft.compute_logits(hidden), torch.arange(B), cache.lens.clone(), spec)
+    tree = grow_tree(draft, cache, torch.arange(B), hidden, draft.compute_logits(hidden), torch.arange(B),
+                     cache.lens.clone(), spec)
     check_tree(tree, cache.lens, spec.num_draft_tokens)
     assert int(tree.depth.max()) <= num_steps
     assert bool(draft.t2d[tree.tokens[:, 1:]].all())         # drafted tokens come from the draft vocab
@@ -98,9 +99,9 @@ def test_topk1_is_a_chain_of_num_steps_plus_one():
     tm, _ = tiny_target("llama")
     draft = random_draft(tm)
     draft.set_embedding(tm.embed_tokens)
-    cache = KVCache(1, 1, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
+    cache = KVPool(1, 1, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
     cache.lens[:] = 3
     h = torch.randn(1, draft.config.hidden_size)
-    tree = grow_tree(draft, cache, h, draft.compute_logits(h), torch.tensor([1]), torch.tensor([3]), spec)
+    tree = grow_tree(draft, cache, torch.arange(1), h, draft.compute_logits(h), torch.tensor([1]), torch.tensor([3]), spec)
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
     assert tree.positions[0].tolist() == [3, 4, 5, 6, 7, 8]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import random_draft, tiny_target
-from sglang_eagle3 import engine as engine_mod
+from sglang_eagle3 import spec_worker as engine_mod
 from sglang_eagle3.config import SpecConfig
 from sglang_eagle3.engine import SpeculativeEngine
 from sglang_eagle3.verify import SamplingParams, target_probs, verify_greedy, verify_sampling

@@ -1,0 +1,365 @@
+// CPU kernels for the decode step: attention over a row-indexed KV pool with a tree mask, and the
+// small fused element-wise ops around the matmuls (RMSNorm, residual add + RMSNorm, SiLU * up).
+//
+// Built at install time (or on first use) by sglang_eagle3/kernels.py with torch.utils.cpp_extension.
+// Every op has a plain-PyTorch twin in kernels.py; tests check that both agree.
+//
+// Layouts (one layer of the pool):
+//   k_cache, v_cache  [R, n_kv, S, D]   R rows (requests), committed slots 0..lens[b]-1 of row rows[b]
+//   q                 [B, n_h, T, D]    T new tokens per row (decode: 1, verify: tree size)
+//   k_new, v_new      [B, n_kv, T, D]   written to slots write_start[b] + t of row rows[b]
+//   new_mask          [B, T, F] bool    query t sees uncommitted slot lens[b] + f iff new_mask[b, t, f]
+//   out               [B, n_h, T, D]
+// Scores, softmax and the weighted sum are computed in fp32 whatever the storage dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define E3_AVX512 1
+#endif
+
+namespace {
+
+// float and bfloat16 storage only (other dtypes take the PyTorch twins in kernels.py)
+#define E3_DISPATCH(TYPE, NAME, ...)                                                         \
+  [&] {                                                                                      \
+    if ((TYPE) == at::kFloat) { using scalar_t = float; __VA_ARGS__(); }                    \
+    else if ((TYPE) == at::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }     \
+    else TORCH_CHECK(false, NAME ": float32 or bfloat16 only");                            \
+  }()
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+
+#ifdef E3_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  // round to nearest even, as torch's float -> bfloat16 cast (NaN kept quiet)
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+// exp for x <= 0 (softmax after subtracting the max): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5]
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);
+  // 2^f on [-0.5, 0.5], degree-6 minimax (relative error < 2e-7)
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// dot(q, k) over D, q already in fp32
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+#ifdef E3_AVX512
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+// acc[0:D] += p * v[0:D]
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t D) {
+#ifdef E3_AVX512
+  if (D % 16 == 0) {
+    __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f(v[d]);
+}
+
+// scores[0:n] = exp(scores - max) in place; returns the sum (entries at -inf become 0)
+inline float softmax_unnormalised(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef E3_AVX512
+  __m512 vm = _mm512_set1_ps(mx), vs = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// A strided [B, heads, T, D] view: element (b, h, t, d) at p[b * sb + h * sh + t * st + d].
+template <typename E>
+struct HeadView {
+  E* p;
+  int64_t sb, sh, st;
+  E* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+};
+
+// x (D values) -> fp32 rotary embedding of x, rounded as transformers rounds it in the storage dtype:
+// round(round(x * cos) + round(rotate_half(x) * sin)); without cos, x itself.
+template <typename E>
+inline void load_rope(const E* x, const E* cos, const E* sin, int64_t D, float* out) {
+  if (cos == nullptr) {
+    for (int64_t d = 0; d < D; ++d) out[d] = to_f(x[d]);
+    return;
+  }
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -to_f(x[d + half]) : to_f(x[d - half]);
+    const float a = to_f(from_f<E>(to_f(x[d]) * to_f(cos[d])));
+    const float b = to_f(from_f<E>(rot * to_f(sin[d])));
+    out[d] = to_f(from_f<E>(a + b));
+  }
+}
+
+// Stores the new keys (rotated when cos/sin are given) and values, then attends; one task per (row, head).
+template <typename E>
+void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> out, const E* cos, const E* sin,
+                    int64_t B, int64_t nH, int64_t nKV, int64_t T, int64_t D, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& lens,
+                    const at::Tensor& write_start, const at::Tensor& new_mask, double scale) {
+  const int64_t S = k_cache.size(2), F = new_mask.size(2), G = nH / nKV;
+  const int64_t* rows_p = rows.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* ws_p = write_start.data_ptr<int64_t>();
+  const bool* mask_p = new_mask.data_ptr<bool>();
+  E* kc = k_cache.data_ptr<E>();
+  E* vc = v_cache.data_ptr<E>();
+  const int64_t row_stride = nKV * S * D, head_stride = S * D;
+  auto cs_at = [&](const E* base, int64_t b, int64_t t) { return base ? base + (b * T + t) * D : nullptr; };
+
+  // 1. store the new keys and values
+  {
+    std::vector<float> kf(D);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < nKV; ++h)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t dst = rows_p[b] * row_stride + h * head_stride + (ws_p[b] + t) * D;
+          load_rope(kn.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, kf.data());
+          for (int64_t d = 0; d < D; ++d) kc[dst + d] = from_f<E>(kf[d]);
+          std::memcpy(vc + dst, vn.at(b, h, t), D * sizeof(E));
+        }
+  }
+  // 2. attend
+  at::parallel_for(0, B * nH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(D), acc(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nH, h = task % nH, kvh = h / G;
+      const int64_t L = lens_p[b], n = L + F;
+      const E* K = kc + rows_p[b] * row_stride + kvh * head_stride;
+      const E* V = vc + rows_p[b] * row_stride + kvh * head_stride;
+      scores.resize(n);
+      for (int64_t t = 0; t < T; ++t) {
+        load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qf.data());
+        for (int64_t d = 0; d < D; ++d) qf[d] *= static_cast<float>(scale);
+        const bool* m = mask_p + (b * T + t) * F;
+        for (int64_t s = 0; s < L; ++s) scores[s] = dot(qf.data(), K + s * D, D);
+        for (int64_t f = 0; f < F; ++f)
+          scores[L + f] = m[f] ? dot(qf.data(), K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
+        const float inv = 1.f / softmax_unnormalised(scores.data(), n);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < n; ++s)
+          if (scores[s] != 0.f) axpy(acc.data(), scores[s], V + s * D, D);
+        E* orow = out.at(b, h, t);
+        int64_t d = 0;
+#ifdef E3_AVX512
+        if (D % 16 == 0) {
+          __m512 vi = _mm512_set1_ps(inv);
+          for (; d < D; d += 16) store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + d), vi));
+        }
+#endif
+        for (; d < D; ++d) orow[d] = from_f<E>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+void check_pool_args(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
+                     const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
+                     int64_t B, int64_t nKV, int64_t T, int64_t D, at::ScalarType dtype) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache, v_cache must be [R, n_kv, S, D]");
+  for (const auto* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == dtype && t->device().is_cpu(),
+                "KV pool tensors must be contiguous CPU tensors of the activations' dtype");
+  TORCH_CHECK(k_cache.size(1) == nKV && k_cache.size(3) == D, "KV pool shape mismatch");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+              write_start.scalar_type() == at::kLong, "rows, lens, write_start must be int64");
+  TORCH_CHECK(rows.numel() == B && lens.numel() == B && write_start.numel() == B, "rows/lens/write_start need B entries");
+  TORCH_CHECK(new_mask.scalar_type() == at::kBool && new_mask.dim() == 3 && new_mask.is_contiguous() &&
+              new_mask.size(0) == B && new_mask.size(1) == T, "new_mask must be a contiguous bool [B, T, F]");
+  const int64_t F = new_mask.size(2), R = k_cache.size(0), S = k_cache.size(2);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = rows.data_ptr<int64_t>()[b], L = lens.data_ptr<int64_t>()[b], w = write_start.data_ptr<int64_t>()[b];
+    TORCH_CHECK(r >= 0 && r < R, "row index out of range");
+    TORCH_CHECK(L >= 0 && w >= L && w + T <= L + F && L + F <= S, "KV slots out of range: lens ", L, " write_start ",
+                w, " T ", T, " F ", F, " cache slots ", S);
+  }
+}
+
+}  // namespace
+
+// q [B, n_h, T, D], k_new / v_new [B, n_kv, T, D] (already rotated): store k/v, attend -> [B, n_h, T, D].
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
+                          const at::Tensor& write_start, const at::Tensor& new_mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4, "q, k_new, v_new must be [B, h, T, D]");
+  for (const auto* t : {&q, &k_new, &v_new})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type(), "q, k_new, v_new: contiguous, one dtype");
+  const int64_t B = q.size(0), nH = q.size(1), T = q.size(2), D = q.size(3), nKV = k_new.size(1);
+  TORCH_CHECK(nH % nKV == 0 && k_new.size(0) == B && k_new.size(2) == T && k_new.size(3) == D &&
+              v_new.sizes() == k_new.sizes(), "q / k_new / v_new shape mismatch");
+  check_pool_args(k_cache, v_cache, rows, lens, write_start, new_mask, B, nKV, T, D, q.scalar_type());
+  at::Tensor out = at::empty_like(q);
+  E3_DISPATCH(q.scalar_type(), "tree_attention", [&] {
+    using E = scalar_t;
+    auto view = [&](const at::Tensor& x) {
+      return HeadView<E>{const_cast<E*>(x.data_ptr<E>()), x.size(1) * T * D, T * D, D};
+    };
+    attention_impl<E>(view(q), view(k_new), view(v_new), view(out), nullptr, nullptr, B, nH, nKV, T, D, k_cache,
+                      v_cache, rows, lens, write_start, new_mask, scale);
+  });
+  return out;
+}
+
+// qkv [B, T, (n_h + 2 n_kv) * D] straight from the fused projection; cos / sin [B, T, D]: rotary embedding
+// of q and k (as transformers computes it) fused in. Returns [B, T, n_h * D], ready for o_proj.
+at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
+                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
+                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous [B, T, (n_h + 2 n_kv) * D]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), D = W / (nH + 2 * nKV);
+  TORCH_CHECK(D * (nH + 2 * nKV) == W && nH % nKV == 0 && D % 2 == 0, "qkv width does not split into heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type() && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "cos / sin must be contiguous [B, T, D] of qkv's dtype");
+  check_pool_args(k_cache, v_cache, rows, lens, write_start, new_mask, B, nKV, T, D, qkv.scalar_type());
+  at::Tensor out = at::empty({B, T, nH * D}, qkv.options());
+  E3_DISPATCH(qkv.scalar_type(), "qkv_attention", [&] {
+    using E = scalar_t;
+    E* base = const_cast<E*>(qkv.data_ptr<E>());
+    HeadView<E> q{base, T * W, D, W}, k{base + nH * D, T * W, D, W}, v{base + (nH + nKV) * D, T * W, D, W};
+    HeadView<E> o{out.data_ptr<E>(), T * nH * D, D, nH * D};
+    attention_impl<E>(q, k, v, o, cos.data_ptr<E>(), sin.data_ptr<E>(), B, nH, nKV, T, D, k_cache, v_cache, rows,
+                      lens, write_start, new_mask, scale);
+  });
+  return out;
+}
+
+namespace {
+// out = w * to_dtype(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm; optionally x += residual first
+template <typename E>
+void rms_norm_impl(at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  E* xp = x.data_ptr<E>();
+  const E* rp = residual ? residual->data_ptr<E>() : nullptr;
+  const E* wp = w.data_ptr<E>();
+  E* op = out.data_ptr<E>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(H);
+    for (int64_t i = begin; i < end; ++i) {
+      E* row = xp + i * H;
+      float ss = 0.f;
+      for (int64_t j = 0; j < H; ++j) {
+        float v = to_f(row[j]);
+        if (rp) {
+          v = to_f(from_f<E>(v + to_f(rp[i * H + j])));   // the residual stream keeps the storage dtype
+          row[j] = from_f<E>(v);
+        }
+        xf[j] = v;
+        ss += v * v;
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      E* orow = op + i * H;
+      for (int64_t j = 0; j < H; ++j) orow[j] = from_f<E>(to_f(wp[j]) * to_f(from_f<E>(xf[j] * r)));
+    }
+  });
+}
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type() && x.size(-1) == w.numel(),
+              "rms_norm: contiguous x [.., H] and w [H] of one dtype");
+  at::Tensor out = at::empty_like(x), xx = x;
+  E3_DISPATCH(x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_impl<scalar_t>(xx, nullptr, w, eps, out); });
+  return out;
+}
+
+// x += residual (in place), returns rms_norm(x)
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && w.is_contiguous() && x.sizes() == residual.sizes() &&
+              x.scalar_type() == residual.scalar_type() && x.scalar_type() == w.scalar_type() && x.size(-1) == w.numel(),
+              "add_rms_norm: contiguous x, residual [.., H] and w [H] of one dtype");
+  at::Tensor out = at::empty_like(x);
+  E3_DISPATCH(x.scalar_type(), "add_rms_norm",
+                                  [&] { rms_norm_impl<scalar_t>(x, &residual, w, eps, out); });
+  return out;
+}
+
+// gate_up [.., 2I] -> silu(gate) * up [.., I]
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_and_mul: contiguous [.., 2I]");
+  const int64_t I = gate_up.size(-1) / 2, N = gate_up.numel() / (2 * I);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  E3_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t j = 0; j < I; ++j) {
+          // as torch: silu rounded to the storage dtype, then the product rounded again
+          const float g = to_f(gp[i * 2 * I + j]);
+          const float s = to_f(from_f<scalar_t>(g / (1.f + std::exp(-g))));
+          op[i * I + j] = from_f<scalar_t>(s * to_f(gp[i * 2 * I + I + j]));
+        }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tree_attention", &tree_attention, "attention over a row-indexed KV pool with a tree mask (writes k/v)");
+  m.def("qkv_attention", &qkv_attention, "rotary embedding + tree_attention from the fused qkv projection");
+  m.def("rms_norm", &rms_norm, "RMSNorm (transformers' rounding)");
+  m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}

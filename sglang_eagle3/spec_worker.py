@@ -1,0 +1,163 @@
+"""The speculative worker: one decoding step for a set of pool rows, and the prefill of one request.
+
+One step for rows at root token x_n (the last verified token of each request):
+  1. draft:   grow a tree from the draft's state at position n-1           (tree.grow_tree)
+  2. verify:  one target forward over the tree with its ancestor mask      (TargetModel.forward)
+  3. accept:  greedy walk as tensor maths, or lossless tree sampling       (verify.py)
+  4. commit:  keep the accepted KV slots; draft-extend over the accepted tokens with the target's
+              fused features, which also gives the draft state for the next tree.
+With draft=None (or a step without speculation) the tree is the root alone: one token per target forward.
+
+State lives in fixed-size tensors indexed by pool row (the scheduler owns which request holds which row):
+the target's and the draft's KV pools, and per row the root token, its position and the draft's last
+hidden state / logits. Nothing is copied when requests come and go.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .config import SpecConfig
+from .kvcache import KVPool, prefill_attention, tree_new_mask
+from .target import PREFILL_T
+from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
+from .verify import (Acceptance, SamplingParams, accept_greedy, acceptance_from_lists, target_probs,
+                     verify_sampling)
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0      # tree growth + draft extend
+    verify: float = 0.0     # target forward + acceptance + commit
+    prefill: float = 0.0
+
+    def add(self, other: "StepTimes") -> None:
+        self.draft, self.verify, self.prefill = (self.draft + other.draft, self.verify + other.verify,
+                                                 self.prefill + other.prefill)
+
+
+@dataclass
+class StepResult:
+    rows: list[int]
+    emitted: list[list[int]]            # tokens per row, in order (accepted draft tokens, then the bonus token)
+    times: StepTimes = field(default_factory=StepTimes)
+
+
+class SpecWorker:
+    def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0):
+        self.target, self.draft = target, draft
+        dev, dtype = target.device, target.dtype
+        self.num_rows, self.max_len = num_rows, max_len
+        self.tpool = target.new_cache(num_rows, max_len)
+        self.roots = torch.zeros(num_rows, dtype=torch.long, device=dev)        # last verified token per row
+        self.root_pos = torch.zeros(num_rows, dtype=torch.long, device=dev)     # its position
+        self.dpool = None
+        if draft is not None:
+            c = draft.config
+            self.dpool = KVPool(1, num_rows, c.num_key_value_heads, max_len + draft_tree_slots + 2, c.head_dim, dtype, dev)
+            self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
+            self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
+            self.scale = c.head_dim ** -0.5
+
+    def nbytes(self) -> int:
+        return self.tpool.nbytes() + (self.dpool.nbytes() if self.dpool is not None else 0)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> tuple[int, float]:
+        """Run the prompt into `row`; returns (first token, seconds)."""
+        t0 = time.perf_counter()
+        dev = self.target.device
+        rows = torch.tensor([row], device=dev)
+        T = len(prompt_ids)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
+        pos = torch.arange(T, device=dev).view(1, T)
+        self.tpool.reset(rows)
+        out = self.target(self.tpool, ids, pos, rows=rows, logit_index=torch.tensor([[T - 1]], device=dev),
+                          want_aux=self.draft is not None)
+        self.tpool.commit_prefix(rows, torch.tensor([T], device=dev))
+        root = int(sample_tokens(out.logits[:, 0], [params], [generator])[0])
+        self.roots[row], self.root_pos[row] = root, T
+        if self.draft is not None:
+            self.dpool.reset(rows)
+            d_in = torch.cat([ids[:, 1:], torch.tensor([[root]], device=dev)], 1)   # (feature t, token t+1)
+            self._draft_extend(rows, d_in, out.aux_hidden_states, pos, torch.tensor([T], device=dev))
+        return root, time.perf_counter() - t0
+
+    # ---- one decoding step -------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
+             spec: Optional[SpecConfig]) -> StepResult:
+        """One draft -> verify -> accept -> commit -> extend step for these rows. spec None: no speculation."""
+        times = StepTimes()
+        t0 = time.perf_counter()
+        r = torch.tensor(rows, device=self.target.device)
+        roots, root_pos = self.roots[r], self.root_pos[r]
+        if self.draft is not None and spec is not None:
+            tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
+        else:
+            tree = root_only_tree(roots, root_pos)
+        t1 = time.perf_counter()
+        tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
+                         want_aux=self.draft is not None)
+        acc = accept(tree, tv.logits, params, generators)
+        counts, emitted = acc.count.tolist(), acc.emitted.tolist()                     # the step's one sync
+        A = max(counts)
+        path = acc.path[:, :A]
+        self.tpool.commit(r, path, acc.count)
+        last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
+        self.roots[r], self.root_pos[r] = last, root_pos + acc.count
+        t2 = time.perf_counter()
+        if self.draft is not None:
+            feats = torch.gather(tv.aux_hidden_states, 1, path.unsqueeze(-1).expand(-1, -1, tv.aux_hidden_states.shape[-1]))
+            positions = torch.gather(tree.positions, 1, path)
+            self._draft_extend(r, acc.emitted[:, :A], feats, positions, acc.count)
+        times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
+        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times)
+
+    def _draft_extend(self, rows: torch.Tensor, input_ids, aux, positions, num_new) -> None:
+        """Draft forward over (feature t, token t+1) pairs; commit them; keep the last valid hidden/logits."""
+        B, T = input_ids.shape
+        self.dpool.check_room(rows, T)
+        if T <= PREFILL_T:
+            attend = pool_attend(self.dpool, rows, self.dpool.lens[rows], tree_new_mask(B, T, rows.device), self.scale)
+        else:
+            starts, counts = self.dpool.lens[rows].tolist(), num_new.tolist()
+
+            def attend(q, k, v):
+                return prefill_attention(self.dpool, 0, rows, starts, counts, q, k, v, self.scale)
+        h = self.draft(input_ids, aux, positions, attend=attend, fuse=True)           # [B, T, H]
+        self.dpool.commit_prefix(rows, num_new)
+        last = h[torch.arange(B, device=h.device), num_new - 1]                         # [B, H] pre-norm
+        self.d_hidden[rows] = self.draft.next_hidden(last).to(self.d_hidden.dtype)
+        self.d_logits[rows] = self.draft.compute_logits(last).to(self.d_logits.dtype)
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+    """logits [B, V] -> one token per row, each row with its own sampling parameters."""
+    out = logits.argmax(-1)
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            out[b] = torch.multinomial(target_probs(logits[b], p), 1, generator=g).squeeze(-1)
+    return out
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[Optional[torch.Generator]]) -> Acceptance:
+    """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
+    greedy = accept_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1))
+    if all(p.greedy for p in params):
+        return greedy
+    paths = [p[:n] for p, n in zip(greedy.path.tolist(), greedy.count.tolist())]
+    emitted = [e[:n] for e, n in zip(greedy.emitted.tolist(), greedy.count.tolist())]
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            nodes, bonus = verify_sampling(tokens[b], parents[b], target_probs(logits[b], p), g)
+            paths[b], emitted[b] = nodes, [tokens[b][i] for i in nodes[1:]] + [bonus]
+    return acceptance_from_lists(paths, emitted, logits.device)
