@@ -100,6 +100,10 @@ def _check_config(r: _Report, c: dict, keys: dict, fmt: str) -> bool:
         r.add(WARN, "architectures", f"{arch}: the released EAGLE-3 layout; SGLang versions whose ModelConfig "
                                      "remaps a draft's LlamaForCausalLM load it as LlamaForCausalLMEagle3, others "
                                      "need that name (`eagle3 import` writes it)")
+        for flag in ("fc_norm", "norm_output"):
+            if c.get(flag):
+                r.add(ERROR, flag, f"{flag}=true (EAGLE-3.1): the authors' EAGLE-3 code cannot run it and ignores "
+                                   "the flag; serve it in SGLang or vLLM instead")
     if c.get("num_hidden_layers") not in (None, 1) and "num_hidden_layers" not in bad:
         r.add(ERROR, "num_hidden_layers", f"{where('num_hidden_layers')}={c['num_hidden_layers']}: an EAGLE-3 draft "
                                           "has exactly one decoder layer")
@@ -147,7 +151,12 @@ def expected_shapes(c: dict) -> dict[str, tuple]:
         m + "mlp.gate_proj.weight": (I, H), m + "mlp.up_proj.weight": (I, H), m + "mlp.down_proj.weight": (H, I),
         "norm.weight": (H,), "lm_head.weight": (c["draft_vocab_size"], H),
         "d2t": (c["draft_vocab_size"],), "t2d": (V,),
+        **{f"fc_norm.{i}.weight": (Ht,) for i in range(3 if _fc_norm(c) else 0)},    # EAGLE-3.1
     }
+
+
+def _fc_norm(c: dict) -> bool:
+    return bool(c.get("fc_norm") or c.get("use_aux_norm"))
 
 
 def _check_tensors(r: _Report, c: dict, tensors: dict, names: dict, variant: set, torch_dtype) -> None:
@@ -177,6 +186,15 @@ def _check_tensors(r: _Report, c: dict, tensors: dict, names: dict, variant: set
         r.add(OK, "embed_tokens", f"{name('embed_tokens.weight')} present; SGLang and this toolkit use the "
                                   "target's embedding instead")
     _check_dtypes(r, tensors, name, torch_dtype)
+    _check_trained(r, tensors)
+
+
+def _check_trained(r: _Report, tensors: dict) -> None:
+    """A freshly initialised draft (init-draft, or an export of step 0) serves at acceptance length ~1."""
+    norms = [v for k, v in tensors.items() if k.endswith("norm.weight") and v.is_floating_point()]
+    if norms and all(bool((v.float() == 1).all()) for v in norms):
+        r.add(WARN, "trained", f"all {len(norms)} RMSNorm weights are exactly 1, their initial value: this draft "
+                               "looks untrained (random weights accept ~nothing)")
 
 
 def _check_dtypes(r: _Report, tensors: dict, name, torch_dtype) -> None:
@@ -394,6 +412,10 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
         names = {**{k: lay.file_name(k) for k in expected_shapes(c)}, **names}
         _check_tensors(r, c, tensors, names, variant, c.get("torch_dtype"))
         _check_vocab_map(r, c, tensors, names)
+        if fmt == "eagle-official" and "embed_tokens.weight" not in tensors:
+            r.add(ERROR, "embed_tokens", "no embed_tokens.weight: the authors' EAGLE-3 code loads this layout with "
+                                         "strict=False and keeps a random embedding, so the draft runs at a much "
+                                         "lower acceptance without an error (re-export with --target)")
     if tc is not None:
         _check_target(r, c, keys, tensors or {}, fmt, raw, top, tc)
     else:

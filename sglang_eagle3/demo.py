@@ -28,7 +28,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     mt = os.path.join(a.data, "eval", "mt_bench.jsonl")
-    prompts = [t[0] for t in load_prompts(mt, limit=a.n)] if os.path.isfile(mt) else FALLBACK_PROMPTS[:a.n]
+    if os.path.isfile(mt):
+        prompts = [t[0] for t in load_prompts(mt, limit=a.n)]
+    else:
+        prompts = FALLBACK_PROMPTS[:a.n]
+        print(f"note: {mt} not found (DATA={a.data}): using {len(prompts)} built-in prompts instead of MT-bench\n")
     draft, note = a.draft or shipped_draft(), ""
     if draft is None:
         from .cli import main as cli_main

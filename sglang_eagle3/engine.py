@@ -110,6 +110,16 @@ class SpeculativeEngine:
             ids = ids[-room:]
         return ids
 
+    def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
+        """RequestError when a prompt of this many tokens plus its answer cannot fit the target's context."""
+        if num_prompt == 0:
+            raise RequestError("empty prompt (no tokens after tokenization)")
+        need = num_prompt + max_new_tokens + self.tree_slots()
+        if self.context_len and need > self.context_len:
+            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots()} "
+                               f"draft slots = {need} exceeds the target's context of {self.context_len} tokens "
+                               "(--truncate-prompt drops the oldest prompt tokens instead)")
+
     def tree_slots(self) -> int:
         if self.draft is None:
             return 1
@@ -135,8 +145,10 @@ class SpeculativeEngine:
         ids = []
         for i, p in enumerate(prompts):
             x = self.encode(p, truncate, params.max_new_tokens)
-            if not x:
-                raise RequestError(f"prompt {i}: empty prompt (no tokens after tokenization)")
+            try:
+                self.check_fits(len(x), params.max_new_tokens)
+            except RequestError as e:
+                raise RequestError(f"prompt {i}: {e}") from None
             ids.append(x)
         bs = max(1, min(batch_size or len(prompts), len(prompts)))
         max_len = max(len(x) for x in ids) + params.max_new_tokens + self.tree_slots() + 1
@@ -145,11 +157,7 @@ class SpeculativeEngine:
         for i, (p, x) in enumerate(zip(prompts, ids)):
             seeded = params if params.seed is None or len(prompts) == 1 else \
                 SamplingParams(**{**params.__dict__, "seed": params.seed * 1_000_003 + i})   # one stream per prompt
-            try:
-                reqs.append(sched.submit(Request(x, seeded, prompt=p)))
-            except RequestError as e:
-                sched.waiting.clear()
-                raise RequestError(f"prompt {i}: {e}") from None
+            reqs.append(sched.submit(Request(x, seeded, prompt=p)))
         sched.stats = SchedulerStats()
         sched.run_until_idle()
         st = sched.stats

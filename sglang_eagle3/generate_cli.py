@@ -29,14 +29,29 @@ def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target_path = resolve_target(target)
-    draft_model = None
-    if draft and draft != "none":
-        if not os.path.isdir(draft):
-            raise UserError(f"--draft {draft}: no such folder")
-        draft_model = Eagle3DraftModel.from_pretrained(draft, dtype=DTYPES[dtype], device=device)
+    draft_model = load_draft(draft, DTYPES[dtype], device) if draft and draft != "none" else None
     aux = draft_model.config.aux_layer_ids if draft_model is not None else None
     tm = TargetModel.from_pretrained(target_path, dtype=DTYPES[dtype], device=device, aux_layer_ids=aux)
     return SpeculativeEngine(tm, draft_model, spec)
+
+
+def load_draft(path: str, dtype, device="cpu"):
+    """A draft folder for the engine; unreadable files and invalid configs become one-line errors."""
+    from .draft import CheckpointError, Eagle3DraftModel
+    from .formats import files
+    if not os.path.isdir(path):
+        raise UserError(f"--draft {path}: no such folder")
+    for name in files.weight_files(path):             # a damaged file: the same message check-draft gives
+        if name.endswith(".safetensors"):
+            files.read_weights(path)
+            break
+    try:
+        return Eagle3DraftModel.from_pretrained(path, dtype=dtype, device=device)
+    except (TypeError, ValueError, KeyError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise UserError(f"--draft {path}: config.json is not a valid EAGLE-3 draft config ({type(e).__name__}: "
+                        f"{e})") from None
 
 
 def add_spec_args(p) -> None:
@@ -62,7 +77,10 @@ def add_cli(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together (continuous batching)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="drop the oldest prompt tokens when prompt + max_new_tokens exceeds the target's context "
+                        "(default: refuse such a prompt)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
@@ -75,6 +93,7 @@ def add_cli(sub) -> None:
     q.add_argument("--draft-vocab-size", type=int, default=None, help="default: the target's vocab size")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    q.add_argument("--force", action="store_true", help="replace a non-empty --out")
     q.set_defaults(func=run_init_draft)
 
 
@@ -88,12 +107,15 @@ def run_generate(a) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    if a.prompt is not None and not a.prompt.strip():
+        raise UserError("--prompt is empty")
     prompts = [a.prompt] if a.prompt is not None else [t[0] for t in load_prompts(a.prompts_file, limit=a.limit)]
     if a.chat:
         prompts = [[{"role": "user", "content": p}] for p in prompts]
-    draft = a.draft if a.draft is not None else (shipped_draft() if a.target in (None, "testbed") else None)
+    embedded = getattr(a, "embedded_target", False) or a.target in (None, "testbed")
+    draft = a.draft if a.draft is not None else (shipped_draft() if embedded else None)
     engine = load_engine(a.target, draft, spec, a.dtype)
-    outputs, stats = engine.generate(prompts, params, batch_size=a.batch_size)
+    outputs, stats = engine.generate(prompts, params, batch_size=a.batch_size, truncate=a.truncate_prompt)
     if a.json:
         json.dump({"outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
                                 "finish_reason": o.finish_reason, "accept_length": o.accept_length}
@@ -113,8 +135,13 @@ def run_generate(a) -> int:
 def run_init_draft(a) -> int:
     from transformers import AutoConfig
     from .draft import Eagle3DraftModel
+    if os.path.isdir(a.out) and os.listdir(a.out) and not a.force:
+        raise UserError(f"--out {a.out} is not empty (it may hold a trained draft); pass --force to replace its weights")
     target_cfg = AutoConfig.from_pretrained(resolve_target(a.target))
     cfg = Eagle3Config.for_target(target_cfg, draft_vocab_size=a.draft_vocab_size)
+    if a.force and os.path.isdir(a.out):
+        import shutil
+        shutil.rmtree(a.out)                    # nothing of the old draft (README, plots) may describe the new one
     torch.manual_seed(a.seed)
     model = Eagle3DraftModel(cfg)
     # An untrained draft's vocabulary: the lowest target ids (BPE vocabularies put frequent tokens first).

@@ -34,12 +34,25 @@ class EngineGenerator:
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
 
     def generate(self, prompts):
+        """Answers in prompt order; None for a prompt too long for the target's context (it is skipped)."""
+        from .scheduler import RequestError
         from .verify import SamplingParams
         seed = None if self.seed is None else self.seed + self.calls   # a fresh random stream per call
         self.calls += 1
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=seed)
-        outputs, _ = self.engine.generate(prompts, params, batch_size=self.batch_size)
-        return [o.text for o in outputs]
+        fits = []
+        for i, p in enumerate(prompts):
+            try:
+                self.engine.check_fits(len(self.engine.encode(p)), self.max_new_tokens)
+                fits.append(i)
+            except RequestError:
+                pass
+        outputs, _ = self.engine.generate([prompts[i] for i in fits], params, batch_size=self.batch_size) \
+            if fits else ([], None)
+        answers: list = [None] * len(prompts)
+        for i, o in zip(fits, outputs):
+            answers[i] = o.text
+        return answers
 
 
 class OpenAIGenerator:
@@ -96,6 +109,10 @@ def regenerate_batch(convs: list[Conversation], generator: Generator, max_turns:
             raise RuntimeError(f"generator returned {len(answers)} answers for {len(prompts)} prompts")
         still = []
         for i, prompt, ans in zip(active, prompts, answers):
+            if ans is None:                                   # too long for the target's context: stop here
+                if stats is not None:
+                    stats.too_long += 1
+                continue
             text = _text(ans)
             if text.strip():
                 history[i] = prompt + [{"role": "assistant", "content": text}]
@@ -150,6 +167,7 @@ class RegenStats:
     already_done: int = 0
     skipped: dict = field(default_factory=dict)
     empty_answers: int = 0
+    too_long: int = 0         # turns whose prompt + max_new_tokens exceed the target's context (skipped)
     turns_dropped: int = 0    # user turns without an answer (an empty answer ends its conversation)
 
     def as_dict(self):
@@ -185,12 +203,17 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
     """Generate answers for every conversation not yet in OUT.partial; rename to OUT when all are done."""
     from tqdm import tqdm
     stats = stats or RegenStats()
-    if os.path.exists(out):
-        if not overwrite:
+    partial = out + ".partial"
+    if overwrite:
+        for stale in (out, partial):
+            if os.path.exists(stale):
+                os.remove(stale)
+    elif os.path.exists(out):
+        finished = _scan_partial(out)
+        if all(c.key in finished for c in convs):
             stats.already_done = len(convs)
             return stats
-        os.remove(out)
-    partial = out + ".partial"
+        os.replace(out, partial)                     # more rows asked for (--max-rows): continue the run
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(partial, "a+b") as lock:
         try:
@@ -233,6 +256,41 @@ def _finish_in_input_order(partial: str, out: str, keys: list[str]) -> None:
     os.remove(partial)
 
 
+# ---- settings ---------------------------------------------------------------------------------
+SETTINGS_SUFFIX = ".settings.json"
+
+
+def run_settings(args) -> dict:
+    """What decides the rows' contents; a resumed or extended run must use the same (--max-rows may grow)."""
+    def where(x):
+        return os.path.abspath(x) if x and os.path.exists(x) else x
+    return {"inputs": [where(i.split(":")[0]) + (":" + i.split(":", 1)[1] if ":" in i else "") for i in args.inputs],
+            "format": args.format, "generator": "server" if args.server else "engine",
+            "target": where(args.target), "server": args.server, "model": args.model, "draft": where(args.draft),
+            "dtype": args.dtype if not args.server else None, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "seed": args.seed, "max_turns": args.max_turns}
+
+
+def check_settings(out: str, settings: dict, overwrite: bool) -> None:
+    """Store the settings beside the output; refuse to add rows made another way to an existing output."""
+    path = out + SETTINGS_SUFFIX
+    has_rows = os.path.exists(out) or os.path.exists(out + ".partial")
+    if os.path.exists(path) and has_rows and not overwrite:
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: unreadable ({e}); delete it to accept the rows already in {out}") from None
+        diff = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items() if old.get(k) != v]
+        if diff:
+            raise UserError(f"{out} holds rows made with other settings ({'; '.join(diff)}): rerun with the same "
+                            f"settings, write to another --out, or pass --overwrite")
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    from .fileio import write_json
+    write_json(path, settings)
+
+
 # ---- command line ----------------------------------------------------------------------------
 def run(args) -> int:
     if (args.server is None) == (args.target is None):
@@ -240,11 +298,12 @@ def run(args) -> int:
     for name in ("batch_size", "max_new_tokens", "concurrency", "write_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if os.path.exists(args.out) and not args.overwrite:
-        print(f"{args.out} is already complete; pass --overwrite to regenerate it")
-        return 0
     stats = RegenStats()
     convs = load_conversations(args.inputs, args.format, args.max_rows, stats)
+    if os.path.exists(args.out) and not args.overwrite and all(c.key in _scan_partial(args.out) for c in convs):
+        print(f"{args.out} is already complete; pass --overwrite to regenerate it (or a larger --max-rows to add rows)")
+        return 0
+    check_settings(args.out, run_settings(args), args.overwrite)     # rows will be added: made the same way
     if args.server:
         from openai import OpenAIError
         try:

@@ -104,6 +104,33 @@ def metrics_from_counters(c: torch.Tensor) -> dict:
     return out
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per-position soft cross-entropy -sum_v p_v log_softmax(z)_v = logsumexp(z) - <p, z> (p sums to 1),
+    with the gradient softmax(z) - p written in one pass: far less memory traffic over [n, vocab] than
+    log_softmax + multiply + sum and their autograd backward. z [n, V] any float dtype; p [n, V] fp32."""
+
+    @staticmethod
+    def forward(ctx, z, p):
+        zf = z.to(_wide(z.dtype))
+        lse = torch.logsumexp(zf, -1)                                     # [n]
+        loss = lse - torch.matmul(p.unsqueeze(-2), zf.unsqueeze(-1)).view(lse.shape)
+        ctx.save_for_backward(z, p, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        z, p, lse = ctx.saved_tensors
+        grad = torch.exp(z.to(lse.dtype) - lse.unsqueeze(-1))
+        grad.sub_(p).mul_(grad_loss.unsqueeze(-1))
+        return grad.to(z.dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """logits [..., V], p [..., V] -> [...]."""
+    shape = logits.shape[:-1]
+    return SoftCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), p.reshape(-1, p.shape[-1])).view(shape)
+
+
 @torch.no_grad()
 def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
     """last_hidden [B, T, Ht] (post final norm) -> (p [B, T, Vd] softmax over the draft vocab, top [B, T] target ids)."""
@@ -128,13 +155,16 @@ def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Ten
 def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: Optional[torch.Tensor],
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
-                feature_loss_weight: float = 0.0) -> TTTOutput:
+                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
     last_hidden [B, T, Ht] after the target's final norm; lm_head: the target's (frozen).
     features="top" feeds last_hidden instead of the fused aux features (the draft's fc must read Ht).
     feature_loss_weight > 0 adds smooth-L1(step-0 draft hidden at t, target last hidden at t+1).
+    loss_mask_offset: step k at base position t is scored where loss_mask[t + k + offset] is set. 1 (ours):
+    the mask of the position whose target distribution is learned, i.e. exactly the chains the engine drafts
+    after an accepted assistant token; 0: the EAGLE-3 authors' and SpecForge's convention (one earlier).
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -142,10 +172,12 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
         raise ValueError(f"training rows need at least 2 tokens (a feature and the next token), got T={T}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if loss_mask_offset not in (0, 1):
+        raise ValueError(f"loss_mask_offset must be 0 or 1, got {loss_mask_offset}")
     valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted
     draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
     p_all, top = target_distribution(last_hidden, lm_head, draft_ids)       # [B, T, Vd], [B, T]
-    scored = valid & draft.t2d[top]                                        # loss positions (pre-shift)
+    in_vocab = draft.t2d[top]                                              # target's pick is draftable
 
     hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
     attend = TTTAttention(attention_mask.bool())
@@ -161,10 +193,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
         h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
-        logits = draft.compute_logits(h)
-        logits = logits.to(_wide(logits.dtype))                           # [B, n, Vd]
-        ce = -(p_all[:, k + 1:] * logits.log_softmax(-1)).sum(-1)         # [B, n]
-        m = scored[:, k + 1:].float()
+        logits = draft.compute_logits(h)                                   # [B, n, Vd]
+        ce = soft_cross_entropy(logits, p_all[:, k + 1:])                  # [B, n]
+        off = k + loss_mask_offset
+        m = (valid[:, off:off + n] & in_vocab[:, k + 1:]).float()          # positions this step's loss scores
         loss_k = (ce * m).sum() / m.sum().clamp(min=1.0)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:

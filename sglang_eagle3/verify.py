@@ -39,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not isinstance(x, str) or x == "" for x in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

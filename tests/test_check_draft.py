@@ -308,6 +308,23 @@ def test_official_layout_with_bin_and_embedding(draft, target):
     assert any(f.check == "embed_tokens" for f in findings)
 
 
+def test_official_layout_without_embedding_is_an_error(draft, target):
+    state = load_file(os.path.join(draft, "model.safetensors"))
+    os.remove(os.path.join(draft, "model.safetensors"))
+    torch.save(state, os.path.join(draft, "pytorch_model.bin"))
+    edit_config(draft, _cset("architectures", ["LlamaForCausalLM"]))
+    assert_error(check_draft(draft, target), "no embed_tokens.weight", "strict=False")
+
+
+def test_untrained_draft_is_flagged(tmp_path, target):
+    from sglang_eagle3.cli import main
+    out = str(tmp_path / "random")
+    assert main(["init-draft", "--target", target, "--out", out, "--draft-vocab-size", "50"]) == 0
+    findings = check_draft(out, target)
+    assert not has_errors(findings)
+    assert any(f.check == "trained" and f.status == WARN and "looks untrained" in f.detail for f in findings)
+
+
 def test_bin_with_pickled_objects_is_refused(draft, target):
     os.remove(os.path.join(draft, "model.safetensors"))
     torch.save({"fc.weight": torch.zeros(2), "meta": argparse.Namespace(x=1)},

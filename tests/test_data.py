@@ -307,9 +307,11 @@ def test_bad_files_name_file_and_row(tmp_path):
     p = write_jsonl(tmp_path / "weird.jsonl", [{"text": "no chat here"}])
     with pytest.raises(DataError, match=r"weird.jsonl: row 1 matches no supported format.*\['text'\]"):
         load(p)
-    p = write_jsonl(tmp_path / "broken.jsonl", [{"question": "q", "answer": "a"}, "", "{not json"])
-    with pytest.raises(DataError, match=r"broken.jsonl: row 3 is not valid JSON"):
-        load(p)
+    p = write_jsonl(tmp_path / "broken.jsonl", [{"question": "q", "answer": "a"}, "", "{not json",
+                                                 {"question": "q2", "answer": "a2"}])
+    rows = load(p)                                     # a broken line is a malformed row: skipped and counted
+    assert [n for n, r in rows if isinstance(r, BadRow)] == [3]
+    assert str(rows[1][1]).startswith("not valid JSON") and rows[2][1].messages[0]["content"] == "q2"
     p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(DataError, match=r"gsm.jsonl: row 1 does not have the sharegpt fields"):
         load(p, "sharegpt")

@@ -19,19 +19,22 @@ V, H, L = 300, 64, 8
 
 
 def save_target(path, **kw):
-    from transformers import LlamaConfig
+    """A small random Llama with weights (the eagle-official export reads its token embedding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     base = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
     base.update(kw)
-    LlamaConfig(**base).save_pretrained(path)
+    torch.manual_seed(11)
+    LlamaForCausalLM(LlamaConfig(**base)).save_pretrained(path)
     return str(path)
 
 
-def save_draft(path, target_dir, draft_vocab=100, dtype=torch.bfloat16, aux=None, seed=0):
+def save_draft(path, target_dir, draft_vocab=100, dtype=torch.bfloat16, aux=None, seed=0, eagle31=False):
     from transformers import AutoConfig
     torch.manual_seed(seed)
     cfg = Eagle3Config.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=draft_vocab,
                                   aux_layer_ids=aux)
+    cfg.fc_norm = cfg.norm_output = eagle31
     cfg.extra["custom_note"] = {"kept": [1, 2]}          # unknown keys must survive every layout
     model = Eagle3DraftModel(cfg)
     for p in model.parameters():
@@ -87,10 +90,56 @@ def test_round_trip_is_lossless(fmt, dtype, draft_vocab, aux, tmp_path, target):
 
 
 def test_round_trip_without_target(tmp_path, draft):
-    for fmt in FORMATS:
+    for fmt in ("sglang", "speculators"):
         export_draft(draft, fmt, str(tmp_path / fmt))
         import_draft(str(tmp_path / fmt), str(tmp_path / f"{fmt}-back"))
         assert_same_draft(draft, str(tmp_path / f"{fmt}-back"))
+    with pytest.raises(FormatError, match="needs --target"):     # the official layout must carry the embedding
+        export_draft(draft, "eagle-official", str(tmp_path / "official"))
+    assert not os.path.exists(tmp_path / "official")
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_eagle31_round_trips(fmt, tmp_path, target):
+    src = save_draft(tmp_path / "src", target, eagle31=True)
+    out, back = str(tmp_path / "out"), str(tmp_path / "back")
+    findings, _ = export_draft(src, fmt, out, target=target)
+    assert not has_errors(findings)
+    c = read_json(out)
+    assert c["fc_norm"] is True and c["norm_output"] is True
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= names
+    import_draft(out, back, target=target)
+    assert_same_draft(src, back)
+    assert Eagle3DraftModel.from_pretrained(back).fc_norm is not None
+
+
+def test_eagle31_has_no_official_layout(tmp_path, target):
+    src = save_draft(tmp_path / "src", target, eagle31=True)
+    with pytest.raises(FormatError, match="cannot express EAGLE-3.1"):
+        export_draft(src, "eagle-official", str(tmp_path / "official"), target=target)
+
+
+def test_export_onto_its_own_source_is_refused(tmp_path, draft):
+    with pytest.raises(FormatError, match="is the draft being exported"):
+        export_draft(draft, "sglang", draft, overwrite=True)
+    assert sorted(os.listdir(draft)) == ["config.json", "model.safetensors"]
+
+
+def test_export_uses_the_usual_permissions(tmp_path, draft):
+    out = tmp_path / "out"
+    old = os.umask(0o022)
+    try:
+        export_draft(draft, "speculators", str(out))
+    finally:
+        os.umask(old)
+    assert oct(os.stat(out).st_mode & 0o777) == "0o755"
+    assert all(oct(os.stat(out / f).st_mode & 0o777) == "0o644" for f in os.listdir(out))
+
+
+def test_import_with_the_wrong_format_names_the_layout(tmp_path, draft):
+    with pytest.raises(FormatError, match="--format speculators, but config.json is the sglang layout"):
+        import_draft(draft, str(tmp_path / "out"), fmt="speculators")
 
 
 def test_official_layout_facts(tmp_path, draft, target):
@@ -103,6 +152,37 @@ def test_official_layout_facts(tmp_path, draft, target):
     state = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
     assert "midlayer.self_attn.q_proj.weight" in state and state["d2t"].dtype == torch.int64
     assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 100
+    # the target's embedding, in the draft's dtype: the authors' loader takes it from the draft
+    from transformers import AutoModelForCausalLM
+    emb = AutoModelForCausalLM.from_pretrained(target).model.embed_tokens.weight
+    assert state["embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(state["embed_tokens.weight"], emb.detach().to(torch.bfloat16))
+
+
+def official_module():
+    """The parameter set of the authors' EAGLE-3 draft model (`cnets.Model` of SafeAILab/EAGLE, eagle3):
+    embed_tokens, fc, midlayer.*, norm, lm_head, plus the d2t/t2d buffers. Their loader is
+    `model.load_state_dict(state, strict=False)`; anything missing keeps its random initial value."""
+    m = torch.nn.Module()
+    m.embed_tokens = torch.nn.Embedding(V, H)
+    m.fc = torch.nn.Linear(3 * H, H, bias=False)
+    mid = Eagle3DraftModel(Eagle3Config(hidden_size=H, intermediate_size=96, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=V, draft_vocab_size=100,
+                                        target_hidden_size=H, aux_layer_ids=[1, 3, 4])).midlayer
+    m.midlayer, m.norm = mid, torch.nn.Module()
+    m.norm.weight = torch.nn.Parameter(torch.ones(H))
+    m.lm_head = torch.nn.Linear(H, 100, bias=False)
+    m.register_buffer("d2t", torch.zeros(100, dtype=torch.long))
+    m.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+    return m
+
+
+def test_authors_loader_finds_every_tensor_of_the_official_export(tmp_path, draft, target):
+    out = str(tmp_path / "official")
+    export_draft(draft, "eagle-official", out, target=target)
+    state = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
+    result = official_module().load_state_dict(state, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == []
 
 
 def test_speculators_layout_facts(tmp_path, draft, target):

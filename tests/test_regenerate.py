@@ -9,6 +9,7 @@ import pytest
 
 from conftest import JSONHandler
 
+from sglang_eagle3.data.formats import Conversation
 from sglang_eagle3.regenerate import (EngineGenerator, OpenAIGenerator, RegenStats, load_conversations,
                                       regenerate, regenerate_batch)
 
@@ -119,7 +120,16 @@ def test_engine_generator_adapter():
         def __init__(self, text):
             self.text = text
 
+    from sglang_eagle3.scheduler import RequestError
+
     class Engine:
+        def encode(self, prompt):
+            return prompt[-1]["content"].split()
+
+        def check_fits(self, n, max_new_tokens):
+            if n + max_new_tokens > 10:
+                raise RequestError("too long")
+
         def generate(self, prompts, params, batch_size=None):
             self.params, self.batch_size = params, batch_size
             return [Out(p[-1]["content"].upper()) for p in prompts], None
@@ -128,6 +138,35 @@ def test_engine_generator_adapter():
     gen = EngineGenerator(eng, max_new_tokens=7, temperature=0.5, batch_size=2, seed=3)
     assert gen.generate([[{"role": "user", "content": "hi"}]]) == ["HI"]
     assert (eng.params.max_new_tokens, eng.params.temperature, eng.params.seed, eng.batch_size) == (7, 0.5, 3, 2)
+    # a prompt too long for the context is skipped (None), the others are answered
+    long = [{"role": "user", "content": "a b c d e f"}]
+    assert gen.generate([long, [{"role": "user", "content": "ok"}]]) == [None, "OK"]
+    stats = RegenStats()
+    convs = [Conversation([{"role": "user", "content": "a b c d e f"}], key="k0"),
+             Conversation([{"role": "user", "content": "fine"}], key="k1")]
+    hist = regenerate_batch(convs, gen, stats=stats)
+    assert stats.too_long == 1 and hist[0] == [] and hist[1][-1]["content"] == "FINE"
+
+
+def test_resume_refuses_other_settings_and_extends_with_more_rows(tmp_path, chats, capsys):
+    from conftest import save_tiny_model_folder
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    out = tmp_path / "regen.jsonl"
+    common = ["regenerate", chats, "--target", target, "--out", str(out), "--max-turns", "1", "--quiet"]
+    assert main([*common, "--max-new-tokens", "3", "--max-rows", "2"]) == 0
+    assert [r["id"] for r in read_out(out)] == ["c0", "c1"]
+    capsys.readouterr()
+    assert main([*common, "--max-new-tokens", "4", "--max-rows", "2"]) == 0           # nothing to add: complete
+    capsys.readouterr()
+    assert main([*common, "--max-new-tokens", "4", "--max-rows", "4"]) == 2           # rows made otherwise: refused
+    err = capsys.readouterr().err
+    assert "max_new_tokens: 3 then, 4 now" in err and err.count("\n") == 1
+    assert [r["id"] for r in read_out(out)] == ["c0", "c1"]                         # nothing touched
+    assert main([*common, "--max-new-tokens", "3", "--max-rows", "4"]) == 0           # more rows: continued
+    rows = read_out(out)
+    assert [r["id"] for r in rows] == ["c0", "c1", "c2", "c3"]
+    assert main([*common, "--max-new-tokens", "4", "--max-rows", "4", "--overwrite"]) == 0
 
 
 def test_cli_with_in_process_engine(tmp_path, chats, capsys):

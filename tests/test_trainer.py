@@ -19,7 +19,7 @@ from sglang_eagle3.hidden_dump import dump_hidden_states
 from sglang_eagle3.trainer import backend as B
 from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, split_indices
 from sglang_eagle3.trainer.logs import read_metrics
-from sglang_eagle3.trainer.loop import TrainConfig, Trainer
+from sglang_eagle3.trainer.loop import TrainConfig, Trainer, compute_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train", "train_eagle3.py")
@@ -91,7 +91,8 @@ def reference(setup):
 @needs_deepspeed
 def test_zero2_two_ranks_stay_in_sync_and_learn(setup, reference):
     s = json.load(open(reference / "train_summary.json"))
-    assert (s["backend"], s["zero_stage"], s["world_size"], s["dtype"]) == ("deepspeed", 2, 2, "float32")
+    auto = str(compute_dtype("auto", torch.device("cpu"))).replace("torch.", "")   # bf16 where the CPU has it
+    assert (s["backend"], s["zero_stage"], s["world_size"], s["dtype"]) == ("deepspeed", 2, 2, auto)
     assert s["param_checksums"][0] == s["param_checksums"][1]          # replicas identical after 40 steps
     recs = read_metrics(str(reference / "metrics.jsonl"))
     train = [r["loss"] for r in recs if r["split"] == "train"]
@@ -221,3 +222,75 @@ def test_deepspeed_config_files(tmp_path):
     bad.write_text(json.dumps({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}}))
     with pytest.raises(ValueError, match="remove the 'optimizer' section"):
         B.load_ds_config(str(bad), None, 1, 1, 0.5, False)
+
+
+def small_cfg(setup, out, **kw):
+    _, target, _, dump = setup
+    base = dict(target=target, data=dump, out=str(out), eval_rows=4, max_steps=4, lr=1e-3, ttt_length=2,
+                backend="ddp", eval_every=2, save_every=1, log_every=1, progress=False, tensorboard=False,
+                draft_vocab_size=48)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_rerun_into_a_run_folder_is_refused_or_overwritten(setup, tmp_path):
+    out = tmp_path / "run"
+    Trainer(small_cfg(setup, out, keep_checkpoints=2)).run()
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000003", "step_0000004"]
+    metrics = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds checkpoints.*step_0000004.*--resume.*--overwrite"):
+        Trainer(small_cfg(setup, out))
+    assert (out / "metrics.jsonl").read_text() == metrics                  # nothing touched
+    with pytest.raises(ConfigError, match="exclude each other"):
+        Trainer(small_cfg(setup, out, resume=True, overwrite=True))
+    # a finished run cannot be stretched to more steps: one clear message pointing at --init-from
+    with pytest.raises(ConfigError, match=r"finished its planned 4 steps.*--init-from"):
+        Trainer(small_cfg(setup, out, resume=True, max_steps=8)).run()
+    # --overwrite starts again; pruning keeps this run's newest checkpoints even among old higher-numbered ones
+    (out / "checkpoints" / "step_0000009").mkdir()
+    with pytest.raises(ConfigError):
+        Trainer(small_cfg(setup, out, max_steps=2))
+    summary = Trainer(small_cfg(setup, out, max_steps=2, overwrite=True)).run()
+    assert summary["resumed_from"] == 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000001", "step_0000002"]
+    assert Trainer(small_cfg(setup, out, max_steps=2, resume=True)).run()["resumed_from"] == 2
+
+
+def test_cli_train_error_is_one_line(setup, tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    _, target, _, dump = setup
+    out = tmp_path / "run"
+    args = ["train", "--target", target, "--data", dump, "--out", str(out), "--max-steps", "2", "--eval-rows", "2",
+            "--ttt-length", "2", "--backend", "ddp", "--quiet", "--no-tensorboard", "--draft-vocab-size", "48"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds checkpoints" in err[0]
+
+
+def test_eval_rows_zero_trains_without_eval(setup, tmp_path):
+    summary = Trainer(small_cfg(setup, tmp_path / "run", eval_rows=0, save_every=0)).run()
+    assert summary["final_eval"] is None and summary["steps"] == 4
+    assert eval_rows_of_rank(np.arange(0), 2, 1) == []
+
+
+def test_init_from_continues_a_draft(setup, tmp_path):
+    first = Trainer(small_cfg(setup, tmp_path / "a", save_every=0)).run()
+    src = Eagle3DraftModel.from_pretrained(first["export"], dtype=torch.float32)
+    cfg = small_cfg(setup, tmp_path / "b", init_from=first["export"], draft_vocab_size=None, max_steps=1, lr=1e-12,
+                    save_every=0)
+    t = Trainer(cfg)
+    got = t.module.draft.state_dict()
+    assert all(torch.equal(got[k].float(), v.float()) for k, v in src.state_dict().items())   # same weights + vocab
+    t.run()
+    with pytest.raises(ConfigError, match="fc_norm"):
+        Trainer(small_cfg(setup, tmp_path / "c", init_from=first["export"], draft_vocab_size=None, fc_norm=True))
+
+
+def test_eagle31_training_and_loss_mask_offset(setup, tmp_path):
+    s = Trainer(small_cfg(setup, tmp_path / "v31", fc_norm=True, norm_output=True, loss_mask_offset=0,
+                          save_every=0)).run()
+    d = Eagle3DraftModel.from_pretrained(s["export"])
+    assert d.config.fc_norm and d.config.norm_output and len(d.fc_norm) == 3
+    assert s["final_eval"]["loss"] == s["final_eval"]["loss"]              # finite (not NaN)

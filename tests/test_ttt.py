@@ -15,11 +15,11 @@ DT = torch.float64
 RTOL, ATOL = 1e-6, 1e-9
 
 
-def make_setup(num_aux=3, seed=0):
+def make_setup(num_aux=3, seed=0, eagle31=False):
     g = torch.Generator().manual_seed(seed)
     cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
-                       aux_layer_ids=[1, 2, 4][:num_aux] if num_aux > 1 else [5])
+                       aux_layer_ids=[1, 2, 4][:num_aux] if num_aux > 1 else [5], fc_norm=eagle31, norm_output=eagle31)
     torch.manual_seed(seed)
     draft = Eagle3DraftModel(cfg)
     with torch.no_grad():
@@ -45,7 +45,8 @@ def make_setup(num_aux=3, seed=0):
     return draft, lm_head, dict(input_ids=ids, loss_mask=loss_mask, attention_mask=attn, aux=aux, last=last)
 
 
-def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feature_loss_weight=0.0):
+def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feature_loss_weight=0.0,
+              loss_mask_offset=1):
     """Draft chains run one step at a time from every base position t, no cache, explicit masks.
 
     Step k from base t: hidden inputs [fc(f_0) .. fc(f_t), o^0_t .. o^{k-1}_t], tokens x_1 .. x_{t+k+1},
@@ -64,7 +65,7 @@ def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feat
     feat_num, feat_den = 0.0, 0.0
     for b in range(B):
         for t in range(T - 1):
-            chain, alive = [], True
+            chain, alive = [], True                              # chain: what later steps read
             for k in range(ttt_length):
                 s = t + k + 1                                    # the predicted token is x_{s+1}; target at s
                 if s >= T:
@@ -74,10 +75,11 @@ def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feat
                 mask = torch.ones(L, L, dtype=torch.bool).tril()[None, None]           # explicit causal
                 out = draft(ids[b, 1:s + 1][None], hid[None], torch.arange(L)[None], attend=sdpa_attend(mask))
                 o = out[0, -1]
-                chain.append(o)
+                chain.append(draft.norm(o) if draft.config.norm_output else o)    # EAGLE-3.1 reads the normed one
                 logits = draft.compute_logits(o)
                 ce = -(p_all[b, s] * logits.log_softmax(-1)).sum()
-                m = float(valid[b, s] and bool(draft.t2d[top[b, s]]))
+                gate = s - 1 + loss_mask_offset                  # ours: the predicted position; authors': one earlier
+                m = float(valid[b, gate] and bool(draft.t2d[top[b, s]]))
                 num[k] = num[k] + ce * m
                 den[k] += m
                 ok = bool(draft_ids[logits.argmax()] == top[b, s])
@@ -110,12 +112,16 @@ def grads(draft, loss):
     return {n: p.grad.clone() for n, p in draft.named_parameters()}
 
 
-@pytest.mark.parametrize("features,num_aux,fw", [("fused", 3, 0.0), ("top", 1, 0.0), ("fused", 3, 0.5)])
-def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw):
-    draft, lm_head, d = make_setup(num_aux=num_aux)
-    out = efficient(draft, lm_head, d, features=features, feature_loss_weight=fw)
+@pytest.mark.parametrize("features,num_aux,fw,offset,eagle31", [
+    ("fused", 3, 0.0, 1, False), ("top", 1, 0.0, 1, False), ("fused", 3, 0.5, 1, False),
+    ("fused", 3, 0.0, 0, False),          # the authors' / SpecForge's loss-mask convention
+    ("fused", 3, 0.0, 1, True)])          # EAGLE-3.1: fc_norm + norm_output
+def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset, eagle31):
+    draft, lm_head, d = make_setup(num_aux=num_aux, eagle31=eagle31)
+    out = efficient(draft, lm_head, d, features=features, feature_loss_weight=fw, loss_mask_offset=offset)
     g_fast = grads(draft, out.loss)
-    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, features=features, feature_loss_weight=fw)
+    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, features=features, feature_loss_weight=fw,
+                                                  loss_mask_offset=offset)
     g_ref = grads(draft, ref_loss)
 
     assert out.loss.dtype == DT
@@ -200,3 +206,11 @@ def test_bad_feature_width_is_a_clear_error():
     draft, lm_head, d = make_setup()
     with pytest.raises(ValueError, match="fc reads 96"):
         efficient(draft, lm_head, d, features="top")
+
+
+def test_loss_mask_conventions_differ():
+    draft, lm_head, d = make_setup()
+    ours, theirs = (efficient(draft, lm_head, d, loss_mask_offset=o).loss for o in (1, 0))
+    assert abs(float(ours) - float(theirs)) > 1e-6
+    with pytest.raises(ValueError, match="loss_mask_offset"):
+        efficient(draft, lm_head, d, loss_mask_offset=2)

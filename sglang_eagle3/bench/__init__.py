@@ -1,17 +1,19 @@
-"""Benchmarks: acceptance length and speed-up per eval set, tree-shape tuning per batch size."""
+"""Benchmarks: acceptance length and speed-up per eval set, tree-shape tuning per batch size, decode cost."""
 from __future__ import annotations
-
-import sys
 
 
 def run_cli(prog: str, body, argv=None, extra_errors: tuple = ()) -> int:
-    """Run a bench entry point; input errors become one line on stderr and exit code 2."""
-    from ..cli import UserError
-    from ..config import ConfigError
-    from ..draft import CheckpointError
-    from ..prompts import PromptFileError
+    """Run a bench entry point; input errors become one line on stderr and exit code 2 (EAGLE3_DEBUG=1 or
+    --debug among the arguments: the traceback)."""
+    import sys
+    from ..cli import debug_enabled, report, user_errors
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if debug:
+        argv.remove("--debug")
     try:
         return int(body(argv) or 0)
-    except (UserError, ConfigError, CheckpointError, PromptFileError, FileNotFoundError, *extra_errors) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    except (*user_errors(), *extra_errors) as e:
+        if debug or debug_enabled():
+            raise
+        return report(prog, e)

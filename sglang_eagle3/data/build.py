@@ -49,7 +49,7 @@ class SourceStats:
 def _reason_key(e: BadRow) -> str:
     """Group reasons by kind: 'empty text in conversations[3]' -> 'empty text'."""
     msg = str(e)
-    for prefix in ("empty text", "wrong types", "unknown role"):
+    for prefix in ("empty text", "wrong types", "unknown role", "not valid JSON"):
         if msg.startswith(prefix):
             return prefix if prefix != "unknown role" else msg
     return msg

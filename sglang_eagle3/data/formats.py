@@ -270,9 +270,8 @@ def _json_rows(path: str) -> Iterator[tuple[int, object]]:
                 continue
             try:
                 yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: row {number} is not valid JSON ({e.msg}); expected one JSON object "
-                                f"per line or a JSON list") from None
+            except json.JSONDecodeError as e:   # one broken line is a malformed row: skipped and counted
+                yield number, BadRow(f"not valid JSON ({e.msg})")
 
 
 def _dataset_rows(src: Source) -> Iterator[tuple[int, object]]:
@@ -307,6 +306,9 @@ def read_source(src: Source, require_assistant: bool = True) -> Iterator[tuple[i
     """Yield (row number, Conversation | BadRow) for every row of a source; format fixed by its first row."""
     fmt, first = src.format, True
     for number, row in raw_rows(src):
+        if isinstance(row, BadRow):
+            yield number, row
+            continue
         if first:
             first = False
             if fmt is not None and not has_fields(row, fmt):

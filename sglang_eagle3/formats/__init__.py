@@ -69,6 +69,12 @@ def read_folder(path: str, fmt: str = "auto") -> DraftFolder:
                               "speculators_config: not an EAGLE-3 draft layout this tool knows (pass --format)")
     elif fmt not in FORMATS:
         raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)} or auto")
+    else:
+        found = detect_format(raw)
+        if found != fmt and not (found is None and fmt != "speculators"):
+            raise FormatError(f"{path}: --format {fmt}, but config.json is " +
+                              (f"the {found} layout" if found else "no EAGLE-3 draft layout this tool knows") +
+                              " (use --format auto)")
     config, keys, notes = layout(fmt).config_to_ours(raw)
     state, weight_files = files.read_weights(path)
     tensors, names, tnotes = layout(fmt).tensors_to_ours(state)
@@ -182,6 +188,27 @@ def import_draft(src: str, out: str, fmt: str = "auto", target=None, overwrite: 
     return validate.findings, [f"read {folder.format} layout from {src}"] + notes
 
 
+def _with_official_embedding(cfg, tensors: dict, target) -> dict:
+    """The authors' EAGLE-3 code loads this layout non-strictly and would keep a random embedding: write the
+    target's (in the draft's dtype). Their code cannot run EAGLE-3.1 drafts at all."""
+    if cfg.fc_norm or cfg.norm_output:
+        raise FormatError("the eagle-official layout cannot express EAGLE-3.1 (fc_norm / norm_output): the authors' "
+                          "EAGLE-3 code would run it as EAGLE-3; export --format sglang or speculators instead")
+    if target is None or not isinstance(target, (str, os.PathLike)):
+        raise FormatError("--format eagle-official needs --target: the authors' loader reads the token embedding "
+                          "from the draft (strict=False) and silently keeps a random one when it is missing")
+    from ..trainer.target_head import load_target_head
+    dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
+    try:
+        _, embed, _ = load_target_head(str(target), dtype, "cpu")
+    except (OSError, ValueError) as e:
+        raise FormatError(f"--target {target}: cannot read its token embedding ({e})") from None
+    if tuple(embed.weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise FormatError(f"--target {target}: embedding {list(embed.weight.shape)} does not fit the draft "
+                          f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size})")
+    return {**tensors, "embed_tokens.weight": embed.weight.detach().clone()}
+
+
 def _verifier_name(target) -> Optional[str]:
     if not isinstance(target, str):
         return getattr(target, "_name_or_path", None) or getattr(target, "name_or_path", None)
@@ -194,9 +221,13 @@ def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: 
     from ..config import default_aux_layer_ids
     if fmt not in FORMATS:
         raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if os.path.realpath(out) == os.path.realpath(src):
+        raise FormatError(f"--out {out} is the draft being exported: write the export to another folder")
     folder = read_folder(src, "auto")
     tview = _target_view(target)
     cfg, tensors, notes = to_ours(folder, tview)
+    if fmt == "eagle-official":
+        tensors = _with_official_embedding(cfg, tensors, target)
     if fmt == "speculators":
         name = _verifier_name(target) if target is not None else None
         archs = list(getattr(tview[0], "architectures", None) or []) if tview else []

@@ -115,6 +115,7 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         fill(tmp)
+        _usual_permissions(tmp)
         if validate is not None:
             validate(tmp)
         if os.path.exists(out):
@@ -127,6 +128,17 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _usual_permissions(directory: str) -> None:
+    """mkdtemp makes 0700 folders: give the folder and its files what the umask allows (as a plain mkdir would)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~umask)
 
 
 class TargetError(ValueError):

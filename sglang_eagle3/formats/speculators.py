@@ -8,7 +8,8 @@ config.json (as `Eagle3SpeculatorConfig` serializes it and vLLM's `SpeculatorsCo
     transformer_layer_config      the draft layer as a Llama config; vocab_size = the target's vocabulary
     draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids
     norm_before_residual          vLLM assumes true when absent; SGLang-style drafts are false
-    norm_before_fc, fc_norm, norm_output   later variants SGLang's draft cannot run
+    fc_norm, norm_output          EAGLE-3.1 (SGLang 0.5.23 and this toolkit run them)
+    norm_before_fc                a variant SGLang's draft cannot run
 
 tensors: `midlayer.` is `layers.0.`; fc.weight, norm.weight, lm_head.weight, d2t, t2d (absent when the
 draft vocabulary is the full one), sometimes embed_tokens.weight.
@@ -25,7 +26,8 @@ from . import files
 
 ARCH = "Eagle3Speculator"
 TOP_LEVEL = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
-VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+VARIANT_FLAGS = ("norm_before_fc",)            # speculators variants SGLang's draft cannot run
+EAGLE31_FLAGS = ("fc_norm", "norm_output")     # EAGLE-3.1: carried over both ways
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "num_hidden_layers", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
               "max_position_embeddings", "model_type", "rope_theta", "rope_scaling", "torch_dtype")
@@ -86,7 +88,7 @@ def config_to_ours(raw: dict):
         c["torch_dtype"] = c.pop("dtype")
         keys["torch_dtype"] = "transformer_layer_config.dtype"
     c["architectures"] = [ARCH]
-    for k in ("draft_vocab_size", "target_hidden_size"):
+    for k in ("draft_vocab_size", "target_hidden_size", *EAGLE31_FLAGS):
         if raw.get(k) is not None:
             c[k], keys[k] = raw[k], k
     eagle = dict(tl["eagle_config"]) if isinstance(tl.get("eagle_config"), dict) else {}
@@ -110,9 +112,6 @@ def variant_tensors(raw: dict) -> set[str]:
     names = set()
     if raw.get("norm_before_fc"):
         names.add("input_norm.weight")
-    if raw.get("fc_norm"):
-        ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        names |= {f"fc_norm.{i}.weight" for i in range(len(ids) if _is_int_list(ids) else 3)}
     return names
 
 
@@ -148,7 +147,7 @@ def from_ours(config: dict, tensors: dict[str, torch.Tensor], verifier_name=None
     d = dict(config)
     eagle = dict(d.get("eagle_config") or {})
     aux = eagle.pop("eagle_aux_hidden_state_layer_ids")
-    layer = {k: v for k, v in d.items() if k not in TOP_LEVEL}
+    layer = {k: v for k, v in d.items() if k not in TOP_LEVEL + EAGLE31_FLAGS}
     if eagle:
         layer["eagle_config"] = eagle          # e.g. use_aux_hidden_state, which vLLM reads; ids stay top-level
     out = {
@@ -167,8 +166,8 @@ def from_ours(config: dict, tensors: dict[str, torch.Tensor], verifier_name=None
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux],
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": bool(d.get("fc_norm", False)),
+        "norm_output": bool(d.get("norm_output", False)),
     }
     renamed = {file_name(k): v for k, v in tensors.items()}
     return out, renamed, "model.safetensors"

@@ -86,24 +86,34 @@ def load_ds_config(path: Optional[str], zero_stage: int, micro_batch_size: int, 
     return cfg
 
 
+def autocast(module, dtype: Optional[torch.dtype]):
+    """bf16 compute over fp32 weights (or nothing)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(module.parameters()).device.type, dtype=dtype)
+
+
 class DeepSpeedBackend:
     name = "deepspeed"
 
-    def __init__(self, module, optimizer, scheduler, ds_config: dict):
+    def __init__(self, module, optimizer, scheduler, ds_config: dict, autocast_dtype: Optional[torch.dtype] = None):
         import deepspeed
+        self.autocast_dtype = autocast_dtype
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.zero_stage = int(ds_config["zero_optimization"].get("stage", 0))
         self.module = self.engine.module
 
     def train_micro(self, batch: dict, boundary: bool):
-        out = self.engine(batch)
+        with autocast(self.module, self.autocast_dtype):
+            out = self.engine(batch)
         self.engine.backward(out.loss)       # DeepSpeed scales by 1/grad_accum
         self.engine.step()                   # optimizer + scheduler step only at the accumulation boundary
         return out
 
     def eval_batch(self, batch: dict):
-        return self.engine(batch)
+        with autocast(self.module, self.autocast_dtype):
+            return self.engine(batch)
 
     def grad_norm(self) -> float:
         g = self.engine.get_global_grad_norm()
@@ -151,15 +161,11 @@ class TorchBackend:
             self.model = module
         self._norm = float("nan")
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast_dtype)
 
     def train_micro(self, batch: dict, boundary: bool):
         sync = boundary or not hasattr(self.model, "no_sync")
         with (contextlib.nullcontext() if sync else self.model.no_sync()):
-            with self._autocast():
+            with autocast(self.module, self.autocast_dtype):
                 out = self.model(batch)
             (out.loss / self.grad_accum).backward()
         if boundary:
@@ -170,7 +176,7 @@ class TorchBackend:
         return out
 
     def eval_batch(self, batch: dict):
-        with self._autocast():
+        with autocast(self.module, self.autocast_dtype):
             return self.model(batch)
 
     def grad_norm(self) -> float:

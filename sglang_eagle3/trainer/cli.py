@@ -91,6 +91,11 @@ def add_train_args(p) -> None:
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="build a draft vocab of this size from the training rows (default: the full target vocab)")
     g.add_argument("--draft-config", default=None, help="draft config.json to take the shape from")
+    g.add_argument("--init-from", default=None, help="a trained draft folder: start from its weights and vocabulary "
+                   "with a fresh optimizer and schedule (spread a long training over several runs)")
+    g.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: an RMSNorm per aux feature before fc")
+    g.add_argument("--norm-output", action="store_true",
+                   help="EAGLE-3.1: each later draft step reads the draft's final-normed output")
     g.add_argument("--aux-layer-ids", default=None, help="online mode: comma-separated target layer ids")
     g.add_argument("--features", choices=["fused", "top"], default="fused",
                    help="fused: EAGLE-3 low/mid/high features; top: only the last hidden state (ablation)")
@@ -99,6 +104,9 @@ def add_train_args(p) -> None:
     g = p.add_argument_group("training-time test")
     g.add_argument("--ttt-length", type=int, default=7, help="unrolled draft steps (default 7)")
     g.add_argument("--step-decay", type=float, default=0.8, help="weight of step k is decay^k (default 0.8)")
+    g.add_argument("--loss-mask-offset", type=int, choices=[0, 1], default=1,
+                   help="step k at base position t is scored where loss_mask[t+k+OFFSET] is set: 1 (default) scores "
+                        "exactly the chains the engine drafts; 0 is the EAGLE-3 authors' and SpecForge's convention")
     g.add_argument("--max-length", type=int, default=2048, help="tokens per row (longer rows are truncated)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--micro-batch-size", type=int, default=1, help="rows per rank per forward")
@@ -118,13 +126,16 @@ def add_train_args(p) -> None:
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO stage (overrides the config file; default 2)")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="auto: bfloat16 on GPU, float32 on CPU")
+                   help="compute dtype; bfloat16 = autocast over fp32 master weights. auto: bfloat16 on GPUs and on "
+                        "CPUs with AVX-512 BF16 or AMX, else float32")
     g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu")
     g.add_argument("--eval-every", type=int, default=500)
     g.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--keep-checkpoints", type=int, default=2)
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
+    g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
+                   "metrics and draft and start again")
     g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
     g.add_argument("--no-tensorboard", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -139,7 +150,9 @@ def train_config(args):
     return TrainConfig(
         target=args.target, data=args.data, out=args.out, eval_data=args.eval_data, eval_rows=args.eval_rows,
         draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
-        aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features,
+        aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features, init_from=args.init_from,
+        fc_norm=args.fc_norm, norm_output=args.norm_output, loss_mask_offset=args.loss_mask_offset,
+        overwrite=args.overwrite,
         feature_loss_weight=args.feature_loss_weight, ttt_length=args.ttt_length, step_decay=args.step_decay,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
         epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,

@@ -88,7 +88,9 @@ class StepSampler:
 def eval_rows_of_rank(eval_idx: np.ndarray, world_size: int, rank: int) -> list[tuple[int, bool]]:
     """(row, counts?) pairs; every rank gets the same number (ZeRO-3 forwards are collective): short ranks
     repeat a row that is not counted."""
-    per = -(-len(eval_idx) // world_size) if len(eval_idx) else 0
+    if len(eval_idx) == 0:
+        return []
+    per = -(-len(eval_idx) // world_size)
     mine = [int(i) for i in eval_idx[rank::world_size]]
     return [(i, True) for i in mine] + [(int(eval_idx[0]), False)] * (per - len(mine))
 
