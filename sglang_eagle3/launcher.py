@@ -1,8 +1,11 @@
-"""`eagle3 serve` and serve/launch_server.py: SGLang's server with an EAGLE-3 draft, one command.
+"""`eagle3 serve` and serve/launch_server.py: an OpenAI-compatible server with an EAGLE-3 draft, one command.
 
-    eagle3 serve --target T --draft D [--profile tuned.json] [--batch-size B] [--dry-run] [SGLang flags...]
+    eagle3 serve [--engine auto|builtin|sglang] [--target T] [--draft D] [--profile tuned.json] [--port 30000]
 
-runs the draft check (`check_draft`) and then
+--engine builtin: our own engine behind FastAPI (server.py): continuous batching, adaptive speculation from
+the profile, any machine (CPU included). Defaults: the embedded target and its shipped draft and profile.
+--engine sglang (auto picks it where a CUDA GPU and SGLang are present): runs the draft check
+(`check_draft`) and then
 
     python -m sglang.launch_server --model-path T --speculative-algorithm EAGLE3
         --speculative-draft-model-path D --speculative-num-steps S --speculative-eagle-topk K
@@ -39,20 +42,33 @@ COMPOSED_FLAGS = {
     "--speculative-num-draft-tokens": "--num-draft-tokens",
     "--attention-backend": "--attention-backend", "--cuda-graph-max-bs-decode": "--cuda-graph-max-bs",
     "--speculative-adaptive": "--adaptive", "--speculative-adaptive-config": "--adaptive",
+    "--host": "--host", "--port": "--port",
 }
-EMBEDDED_HINT = ("without a GPU, run the embedded engine instead: "
-                 "eagle3 generate --target {target} --draft {draft} --prompt '...'")
+EMBEDDED_HINT = ("without a GPU, serve with our own engine instead: "
+                 "eagle3 serve --engine builtin --target {target} --draft {draft}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target HF folder or hub id (SGLang --model-path); "
-                                                   "'testbed' = the embedded SmolLM2")
-    p.add_argument("--draft", required=True, help="EAGLE-3 draft folder or hub id")
+    p.add_argument("--engine", choices=["auto", "builtin", "sglang"], default="auto",
+                   help="builtin: our engine (CPU or GPU); sglang: SGLang's server (CUDA GPU); auto (default): sglang "
+                        "where a CUDA GPU and SGLang are present, else builtin")
+    p.add_argument("--target", default="testbed", help="target HF folder or hub id (SGLang --model-path); "
+                                                       "default 'testbed' = the embedded SmolLM2")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder or hub id (default for the embedded target: "
+                                                 "its shipped draft; 'none': no speculation)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
+    g = p.add_argument_group("builtin engine")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16")
+    g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 503")
+    g.add_argument("--max-len", type=int, default=None,
+                   help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
     p.add_argument("--profile", default=None, help='tuned tree shapes: {"per_batch_size": {"1": {"num_steps": .., '
                                                    '"topk": .., "num_draft_tokens": ..}, ...}}')
-    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=1,
-                   help="expected concurrent requests: picks the profile entry, sets SGLang's "
-                        "--max-running-requests and --cuda-graph-max-bs-decode (default 1)")
+    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=None,
+                   help="concurrent requests: builtin, the running-batch limit (default 32); sglang, the expected "
+                        "batch size that picks the profile entry and sets --max-running-requests and "
+                        "--cuda-graph-max-bs-decode (default 1)")
     p.add_argument("--num-steps", type=int, default=None, help=f"tree depth (default: profile, else "
                                                                f"{DEFAULT_SPEC.num_steps})")
     p.add_argument("--topk", type=int, default=None, help=f"branching per step (default: profile, else "
@@ -115,7 +131,7 @@ def build_command(args, spec: Optional[SpecConfig], extra: list[str], python: Op
                 "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
     cmd += ["--attention-backend", args.attention_backend,
             "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs or args.batch_size),
-            "--max-running-requests", str(args.batch_size)]
+            "--max-running-requests", str(args.batch_size), "--host", args.host, "--port", str(args.port)]
     if args.adaptive is not None and spec is not None:
         cmd.append("--speculative-adaptive")
         if args.adaptive:
@@ -173,9 +189,75 @@ def check_runtime(args) -> None:
         raise UserError("no CUDA GPU visible; SGLang's EAGLE-3 server needs one; " + hint)
 
 
+def pick_engine(args) -> str:
+    if args.engine != "auto":
+        return args.engine
+    if importlib.util.find_spec("sglang") is None:
+        return "builtin"
+    import torch
+    return "sglang" if torch.cuda.is_available() else "builtin"
+
+
+def default_draft(args) -> Optional[str]:
+    """The shipped draft for the embedded target; otherwise the draft must be named."""
+    if args.draft is not None:
+        return None if args.draft == "none" else args.draft
+    if getattr(args, "embedded_target", False) or args.target in (None, "testbed"):
+        from .generate_cli import shipped_draft
+        return shipped_draft()
+    return None
+
+
+def shipped_profile(draft: Optional[str]) -> Optional[str]:
+    """A speculation profile measured for a shipped draft on a CPU (tune_spec.py), if the draft has one."""
+    path = os.path.join(draft, "spec_profile.json") if draft else None
+    return path if path and os.path.isfile(path) else None
+
+
+def serve_builtin(args, extra: list[str]) -> int:
+    from .config import ConfigError, SpecProfile
+    from .server import build_state, run_server
+    from .testbed import resolve_target
+    if extra:
+        raise UserError(f"unknown flags for the builtin engine: {' '.join(extra)} (SGLang flags need --engine sglang)")
+    for flag, v in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
+                    ("--port", args.port)):
+        if v is not None and v < 1:
+            raise UserError(f"{flag} must be >= 1, got {v}")
+    target = resolve_target(args.target)
+    draft = default_draft(args)
+    profile = None
+    profile_path = args.profile or (shipped_profile(draft) if args.draft is None else None)
+    explicit = any(getattr(args, k) is not None for k in ("num_steps", "topk", "num_draft_tokens"))
+    if draft and profile_path and not explicit:
+        try:
+            profile = SpecProfile.load(profile_path)
+        except ConfigError as e:
+            raise UserError(f"--profile: {e}") from None
+    spec = SpecConfig(args.num_steps or DEFAULT_SPEC.num_steps, args.topk or DEFAULT_SPEC.topk,
+                      args.num_draft_tokens or DEFAULT_SPEC.num_draft_tokens)
+    if draft and not args.skip_check:
+        run_draft_check(target, draft)
+    state = build_state(target, draft, args.dtype, spec, profile, args.batch_size or 32, args.max_queue,
+                        args.max_len or 4096)
+    how = (f"adaptive speculation from {profile_path}" if profile else
+           f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens}" if draft
+           else "no speculation")
+    print(f"eagle3 serve: builtin engine, {how}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    return run_server(state, args.host, args.port)
+
+
 def serve(args, extra: Optional[list[str]] = None) -> int:
     extra = list(extra if extra is not None else getattr(args, "sglang_args", []))
+    if pick_engine(args) == "builtin":
+        return serve_builtin(args, extra)
     check_passthrough(extra)
+    args.draft = args.draft if args.draft is not None else default_draft(args)
+    if args.draft is None:
+        raise UserError("--draft is required with --engine sglang (an EAGLE-3 draft folder or hub id)")
+    args.batch_size = 1 if args.batch_size is None else args.batch_size
     if args.target == "testbed":
         from .testbed import prepare
         args.target = prepare()
@@ -213,7 +295,8 @@ def _cli(args) -> int:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("serve", help="launch SGLang's server with an EAGLE-3 draft (check, tuned tree, CUDA graphs)",
+    p = sub.add_parser("serve", help="OpenAI-compatible server with an EAGLE-3 draft: our engine (any machine) or "
+                                     "SGLang's (CUDA; check, tuned tree, CUDA graphs)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False, epilog="Other flags (e.g. --port 30000 --tp-size 2) go to SGLang.")
     p.__class__ = PassThroughParser          # the `eagle3` parser rejects unknown flags otherwise

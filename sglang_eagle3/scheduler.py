@@ -74,6 +74,7 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     detok: Optional[IncrementalDetokenizer] = None
+    cancelled: bool = False                                    # set from any thread; honoured at a step boundary
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -146,12 +147,15 @@ class Scheduler:
     def cancel(self, req: Request) -> None:
         """Stop a request at the next step boundary (a client went away); its row is freed there."""
         with self.cond:
-            if not req.finished:
-                req.finish_reason = "cancelled"
+            req.cancelled = True
             self.cond.notify_all()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def idle(self) -> bool:
+        """Nothing queued or running and every row free (a leak would show here)."""
+        return not self.has_work() and len(self.free_rows) == self.max_running
 
     def load(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "free_rows": len(self.free_rows),
@@ -165,6 +169,10 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""
+        for req in self.running:
+            if req.cancelled and not req.finished:
+                req.finish_reason = "cancelled"
+        self._release()
         self._admit()
         active = [r for r in self.running if not r.finished]
         if active:
@@ -173,8 +181,7 @@ class Scheduler:
             self.stats.steps += 1
             self.stats.times.add(res.times)
             for req, tokens in zip(active, res.emitted):
-                if not req.finished:             # cancelled while the step ran
-                    self._emit(req, tokens)
+                self._emit(req, tokens)
         self._release()
 
     def _admit(self) -> None:
@@ -183,7 +190,8 @@ class Scheduler:
                 if not self.waiting:
                     return
                 req = self.waiting.popleft()
-            if req.finished:                      # cancelled before it started
+            if req.cancelled:                     # cancelled before it started
+                req.finish_reason = "cancelled"
                 self._finish(req)
                 continue
             req.row = self.free_rows.pop()
@@ -258,9 +266,9 @@ class Scheduler:
             req.text = req.detok.text if req.detok else ""
         req.finish_time = time.perf_counter()
         self.stats.finished += 1
+        req.done.set()                      # before the last callback: a listener seeing "" finds it done
         if req.listener:
             req.listener(req, "")
-        req.done.set()
 
     def run_until_idle(self) -> None:
         while self.has_work():
@@ -268,14 +276,21 @@ class Scheduler:
 
     # ---- serving thread ------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        """Run steps while there is work; sleep on the condition otherwise (the server's scheduler thread)."""
+        """Run steps while there is work; sleep on the condition otherwise (the server's scheduler thread).
+        A failing step fails the requests it ran, not the loop."""
         while True:
             with self.cond:
                 while not self._stop and not self.has_work():
                     self.cond.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:              # noqa: BLE001 - reported to every affected request
+                for req in self.running:
+                    if not req.finished:
+                        req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+                self._release()
 
     def shutdown(self) -> None:
         with self.cond:

@@ -38,6 +38,9 @@ def folders(tmp_path_factory):
     hf = tiny_hf_model("llama", vocab_size=96)
     hf.save_pretrained(root / "target")
     draft = Eagle3DraftModel(Eagle3Config.for_target(hf.config, draft_vocab_size=32))
+    with torch.no_grad():
+        for p in draft.parameters():                  # off the initial values: check-draft would call it untrained
+            p.add_(torch.randn_like(p) * 0.01)
     draft.set_vocab_mapping(torch.randperm(96)[:32])
     draft.save_pretrained(str(root / "draft"))
     other = tiny_hf_model("llama", vocab_size=128)
@@ -61,7 +64,7 @@ def sglang_parse(cmd: list[str]):
 
 
 def base(folders, *more):
-    return ["--target", folders["target"], "--draft", folders["draft"], *more]
+    return ["--engine", "sglang", "--target", folders["target"], "--draft", folders["draft"], *more]
 
 
 # ---- composed commands ------------------------------------------------------------------------------
@@ -128,15 +131,17 @@ def run_err(capsys, *argv) -> str:
 
 
 def test_mismatched_draft_is_refused(capsys, folders):
-    err = run_err(capsys, "--target", folders["target"], "--draft", folders["bad_draft"], "--dry-run")
-    assert "ERROR" in err and "vocab size" in err and "failed" in err and "--skip-check" in err
-    assert launcher.main(["--target", folders["target"], "--draft", folders["bad_draft"], "--dry-run",
-                          "--skip-check"]) == 0
+    for engine in ("sglang", "builtin"):
+        err = run_err(capsys, "--engine", engine, "--target", folders["target"], "--draft", folders["bad_draft"],
+                      "--dry-run")
+        assert "ERROR" in err and "vocab size" in err and "failed" in err and "--skip-check" in err
+    assert launcher.main(["--engine", "sglang", "--target", folders["target"], "--draft", folders["bad_draft"],
+                          "--dry-run", "--skip-check"]) == 0
 
 
 def test_missing_and_hub_drafts(capsys, folders, tmp_path):
-    assert "no such folder" in run_err(capsys, "--target", folders["target"], "--draft", str(tmp_path / "nope"))
-    cmd = dry_run(capsys, "--target", folders["target"], "--draft", "someorg/some-eagle3-draft")
+    assert "no such folder" in run_err(capsys, *base(folders)[:4], "--draft", str(tmp_path / "nope"))
+    cmd = dry_run(capsys, *base(folders)[:4], "--draft", "someorg/some-eagle3-draft")
     assert cmd[cmd.index("--speculative-draft-model-path") + 1] == "someorg/some-eagle3-draft"
 
 
@@ -183,11 +188,11 @@ def test_bad_adaptive_config_rejected_by_sglang_rules(capsys, folders, tmp_path)
 def test_without_gpu_or_sglang_points_to_the_embedded_engine(capsys, folders, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = run_err(capsys, *base(folders))
-    assert "no CUDA GPU" in err and "eagle3 generate" in err and err.count("\n") == 1
+    assert "no CUDA GPU" in err and "--engine builtin" in err and err.count("\n") == 1
     real = launcher.importlib.util.find_spec
     monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: None if n == "sglang" else real(n, *a))
     err = run_err(capsys, *base(folders))
-    assert "SGLang is not installed" in err and "eagle3 generate" in err
+    assert "SGLang is not installed" in err and "--engine builtin" in err
 
 
 def test_launches_the_composed_command(capsys, folders, monkeypatch):
@@ -195,7 +200,23 @@ def test_launches_the_composed_command(capsys, folders, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: object())
     monkeypatch.setattr(launcher.subprocess, "call", lambda cmd: calls.append(cmd) or 7)
-    assert launcher.main(base(folders, "--port", "30002")) == 7
+    assert launcher.main(base(folders, "--port", "30002")[2:]) == 7           # --engine auto picks SGLang here
     (cmd,) = calls
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"] and cmd[-2:] == ["--port", "30002"]
+    assert cmd[-4:-2] == ["--host", "127.0.0.1"]
     assert "num_steps=5 topk=4 num_draft_tokens=16 from defaults" in capsys.readouterr().err
+
+
+def test_auto_picks_the_builtin_engine_without_a_gpu(capsys, folders, monkeypatch, tmp_path):
+    from conftest import save_tiny_model_folder
+    target = save_tiny_model_folder(tmp_path / "target")            # same shapes, with a tokenizer
+    folders = {**folders, "target": target}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launcher.main(["--target", folders["target"], "--draft", folders["draft"], "--dry-run"]) == 0
+    assert "builtin engine, tree num_steps=5 topk=4 num_draft_tokens=16" in capsys.readouterr().err
+    assert launcher.main(["--target", folders["target"], "--draft", folders["draft"], "--profile",
+                          folders["profile.json"], "--dry-run"]) == 0
+    assert "adaptive speculation from" in capsys.readouterr().err
+    err = run_err(capsys, "--engine", "builtin", "--target", folders["target"], "--draft", folders["draft"],
+                  "--tp-size", "2", "--dry-run")
+    assert "unknown flags for the builtin engine: --tp-size 2" in err

@@ -1,0 +1,402 @@
+"""OpenAI-compatible HTTP server on our engine (`eagle3 serve --engine builtin`).
+
+Thin by design: request/response models and the HTTP layer live here; one scheduler thread
+(scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
+deltas back through an asyncio queue. Endpoints: POST /v1/chat/completions, POST /v1/completions
+(both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /health,
+GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from .engine import encode_prompt
+from .scheduler import QueueFull, Request, RequestError, Scheduler
+from .verify import SamplingParams
+
+DEFAULT_MAX_TOKENS = 512          # when a request gives none (OpenAI's chat API: up to the context)
+RETRY_AFTER_S = 1
+
+
+# ---- request models ---------------------------------------------------------------------------
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                               # extension (as SGLang and vLLM accept it)
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    ignore_eos: bool = False                     # extension, for benchmarks
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: Optional[Union[str, list[dict]]] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---- state -----------------------------------------------------------------------------------
+class Metrics:
+    """Counters for /metrics (Prometheus text format)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0}
+        self.prompt_tokens = self.generated_tokens = self.verify_steps = 0
+        self.ttft_sum, self.ttft_count = 0.0, 0
+        self.recent: list[tuple[float, int]] = []         # (time, tokens) of finished requests, last 60 s
+
+    def finished(self, req: Request) -> None:
+        with self.lock:
+            kind = req.finish_reason if req.finish_reason in ("cancelled", "error") else "finished"
+            self.requests[kind] += 1
+            self.prompt_tokens += len(req.prompt_ids)
+            self.generated_tokens += len(req.output_ids)
+            self.verify_steps += req.verify_steps
+            if req.first_token_time is not None:
+                self.ttft_sum += req.first_token_time - req.arrival
+                self.ttft_count += 1
+            now = time.time()
+            self.recent = [(t, n) for t, n in self.recent if now - t < 60] + [(now, len(req.output_ids))]
+
+    def rejected(self) -> None:
+        with self.lock:
+            self.requests["rejected"] += 1
+
+    def text(self, load: dict) -> str:
+        with self.lock:
+            now = time.time()
+            window = [n for t, n in self.recent if now - t < 60]
+            lines = [
+                "# HELP eagle3_requests_total Requests by outcome.", "# TYPE eagle3_requests_total counter",
+                *[f'eagle3_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()],
+                "# TYPE eagle3_prompt_tokens_total counter", f"eagle3_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE eagle3_generated_tokens_total counter",
+                f"eagle3_generated_tokens_total {self.generated_tokens}",
+                "# HELP eagle3_verify_steps_total Target forwards that produced tokens.",
+                "# TYPE eagle3_verify_steps_total counter", f"eagle3_verify_steps_total {self.verify_steps}",
+                "# HELP eagle3_accept_length Tokens per target forward over all finished requests.",
+                "# TYPE eagle3_accept_length gauge",
+                f"eagle3_accept_length {self.generated_tokens / max(1, self.verify_steps):.4f}",
+                "# HELP eagle3_generation_tokens_per_second Generated tokens/s of requests finished in the last 60 s.",
+                "# TYPE eagle3_generation_tokens_per_second gauge",
+                f"eagle3_generation_tokens_per_second {sum(window) / 60.0:.3f}",
+                "# TYPE eagle3_time_to_first_token_seconds summary",
+                f"eagle3_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                f"eagle3_time_to_first_token_seconds_count {self.ttft_count}",
+                "# TYPE eagle3_running_requests gauge", f"eagle3_running_requests {load['running']}",
+                "# TYPE eagle3_queued_requests gauge", f"eagle3_queued_requests {load['waiting']}",
+                "# HELP eagle3_free_kv_rows KV-cache rows free for new requests.",
+                "# TYPE eagle3_free_kv_rows gauge", f"eagle3_free_kv_rows {load['free_rows']}",
+                "# TYPE eagle3_max_running_requests gauge", f"eagle3_max_running_requests {load['max_running']}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+class ServerState:
+    """The scheduler, its thread, and what the HTTP layer needs to know about the model."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, info: Optional[dict] = None):
+        self.scheduler, self.model_name, self.info = scheduler, model_name, info or {}
+        self.tokenizer = scheduler.tokenizer
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.scheduler.serve_forever, name="eagle3-scheduler", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.scheduler.shutdown()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+            self.thread = None
+
+
+# ---- request handling ------------------------------------------------------------------------------
+def sampling_params(body: _Sampling, prompt_len: int, context: int) -> SamplingParams:
+    if body.n != 1:
+        raise APIError(400, f"n={body.n}: only n=1 is supported", "n")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context - prompt_len))
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, stop=stop, ignore_eos=body.ignore_eos, seed=body.seed)
+    except ValueError as e:
+        param = next((p for p in ("temperature", "top_p", "top_k", "stop") if p in str(e)), None)
+        raise APIError(400, str(e), param) from None
+
+
+def chat_prompt(body: ChatRequest) -> list[dict]:
+    if not body.messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    msgs = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):                # OpenAI content parts: text only
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(parts)
+        if m.role not in ("system", "user", "assistant", "developer"):
+            raise APIError(400, f"messages[{i}].role={m.role!r}: expected system, user or assistant", "messages")
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return msgs
+
+
+class Handler:
+    """Runs one request against the scheduler; a stream of text deltas, then the finished request."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def check_model(self, name: str) -> None:
+        if name != self.state.model_name:
+            raise APIError(400, f"model {name!r} is not served here (this server serves {self.state.model_name!r})",
+                           "model", "model_not_found")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: Any, loop, queue) -> Request:
+        sched = self.state.scheduler
+
+        metrics = self.state.metrics
+
+        def listener(req: Request, delta: str) -> None:          # called on the scheduler thread
+            if delta == "" and req.done.is_set():
+                metrics.finished(req)                             # exactly once, however the request ended
+            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finished))
+
+        req = Request(prompt_ids, params, prompt=prompt, listener=listener)
+        try:
+            sched.check_fits(len(prompt_ids), params.max_new_tokens)
+            sched.submit(req)
+        except RequestError as e:
+            raise APIError(400, str(e), "messages" if isinstance(prompt, list) else "prompt",
+                           "context_length_exceeded") from None
+        except QueueFull as e:
+            self.state.metrics.rejected()
+            raise APIError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from None
+        return req
+
+    def tokenize(self, prompt) -> list[int]:
+        try:
+            ids = encode_prompt(self.state.tokenizer, prompt)
+        except Exception as e:      # a chat template that rejects the roles, say
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        if not ids:
+            raise APIError(400, "empty prompt (no tokens after tokenization)", "prompt")
+        return ids
+
+
+def spec_stats(req: Request) -> dict:
+    return {"accept_length": round(req.accept_length, 4), "verify_steps": req.verify_steps,
+            "accepted_draft_tokens": len(req.output_ids) - req.verify_steps}
+
+
+def usage(req: Request) -> dict:
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+            "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
+
+
+def finish_reason(req: Request) -> str:
+    return {"eos": "stop", "stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason or "stop")
+
+
+def create_app(state: ServerState):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        state.stop()
+
+    app = FastAPI(title="sglang-eagle3", lifespan=lifespan)
+    handler = Handler(state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "json_invalid":
+            msg, param = f"request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None
+        else:
+            msg, param = f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
+        return JSONResponse(APIError(400, msg, param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **state.scheduler.load()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "sglang-eagle3", **state.info}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.text(state.scheduler.load()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def run(http: HTTPRequest, body: _Sampling, prompt, chat: bool):
+        handler.check_model(body.model)
+        prompt_ids = handler.tokenize(prompt)
+        params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        req = handler.submit(prompt_ids, params, prompt, loop, queue)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream(http, req, queue, rid, obj, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            while not req.finished or not req.done.is_set():
+                await queue.get()
+        except asyncio.CancelledError:                   # the client went away
+            state.scheduler.cancel(req)
+            raise
+        if req.finish_reason == "error":
+            raise APIError(500, f"generation failed: {req.error}", None, None, "server_error")
+        choice = {"index": 0, "finish_reason": finish_reason(req), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": req.text}
+        else:
+            choice["text"] = req.text
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
+                "choices": [choice], "usage": usage(req), "spec_stats": spec_stats(req)}
+
+    async def stream(http, req: Request, queue, rid, obj, chat, include_usage):
+        created = int(time.time())
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text=None, reason=None, role=False, extra=None):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+            body = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name, "choices": [choice]}
+            if extra:
+                body.update(extra)
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(role=True)
+            while True:
+                delta, finished = await queue.get()
+                if delta:
+                    yield chunk(delta)
+                if finished and req.done.is_set():
+                    break
+            if req.finish_reason == "error":
+                err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
+                yield f"data: {json.dumps(err)}\n\n"
+            else:
+                yield chunk(reason=finish_reason(req), extra={"spec_stats": spec_stats(req)})
+                if include_usage:
+                    yield (f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': usage(req)})}\n\n")
+            yield "data: [DONE]\n\n"
+        finally:
+            if not req.done.is_set():                    # client disconnected mid-stream: free its row
+                state.scheduler.cancel(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest, body: ChatRequest):
+        return await run(http, body, chat_prompt(body), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest, body: CompletionRequest):
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            elif prompt and all(isinstance(t, int) for t in prompt):
+                prompt = state.tokenizer.decode(prompt)
+            else:
+                raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string", "prompt")
+        return await run(http, body, prompt, chat=False)
+
+    return app
+
+
+# ---- building and running ---------------------------------------------------------------------------
+def build_state(target: str, draft: Optional[str], dtype: str, spec, profile, max_running: int, max_queue: int,
+                context_len: Optional[int], model_name: Optional[str] = None) -> ServerState:
+    from .engine import eos_ids_of
+    from .generate_cli import load_engine
+    engine = load_engine(target, draft or "none", spec, dtype)
+    tctx = int(getattr(engine.target.hf_config, "max_position_embeddings", 0) or 0) or 4096
+    max_len = min(context_len or tctx, tctx)
+    sched = Scheduler(engine.target, engine.draft, spec, profile, max_running=max_running, max_len=max_len,
+                      max_queue=max_queue, eos_ids=eos_ids_of(engine.target))
+    sched.context_len = max_len
+    name = model_name or os.path.basename(os.path.normpath(target))
+    info = {"draft": os.path.abspath(draft) if draft and draft != "none" else None, "dtype": dtype,
+            "max_running_requests": max_running, "context_length": max_len,
+            "kv_pool_mb": round(sched.worker.nbytes() / 2 ** 20, 1)}
+    return ServerState(sched, name, info)
+
+
+def run_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> int:
+    import uvicorn
+    app = create_app(state)
+    print(f"eagle3 serve: {state.model_name} on http://{host}:{port}/v1 (draft: {state.info.get('draft') or 'none'}, "
+          f"{state.info['dtype']}, up to {state.info['max_running_requests']} running requests, "
+          f"KV pool {state.info['kv_pool_mb']} MB)\n"
+          f"  curl -s http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+          f"\"max_tokens\": 64}}'", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,234 @@
+"""The builtin OpenAI-compatible server: a real uvicorn on 127.0.0.1, the `openai` client and raw HTTP.
+
+Greedy answers equal offline `generate` in fp32 whatever runs beside them; streaming, errors, 503 with
+Retry-After, cancellation on disconnect, and a bounded load test without KV-row leaks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import save_tiny_model_folder
+from sglang_eagle3.cli import main as eagle3_main
+from sglang_eagle3.config import SpecConfig
+from sglang_eagle3.generate_cli import load_engine
+from sglang_eagle3.server import build_state, create_app
+from sglang_eagle3.verify import SamplingParams
+
+SPEC = SpecConfig(3, 2, 6)
+PROMPTS = [f"w{i} w{i + 3} w{2 * i + 1} w7" for i in range(8)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, state):
+        import uvicorn
+        self.state, self.port = state, free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        assert self.server.started
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    target = save_tiny_model_folder(root / "target")
+    assert eagle3_main(["init-draft", "--target", target, "--out", str(root / "draft"), "--draft-vocab-size", "48",
+                        "--dtype", "float32"]) == 0
+    return target, str(root / "draft")
+
+
+@pytest.fixture(scope="module")
+def live(folders):
+    target, draft = folders
+    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=4, max_queue=64,
+                                 context_len=256, model_name="tiny"))
+    yield srv
+    srv.close()
+
+
+def client(live):
+    from openai import OpenAI
+    return OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def chat(p):
+    return [{"role": "user", "content": p}]
+
+
+def offline(folders, prompts, max_new_tokens):
+    target, draft = folders
+    eng = load_engine(target, "none", SPEC, "float32")
+    outs, _ = eng.generate([chat(p) for p in prompts], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return [o.text for o in outs]
+
+
+def test_greedy_answers_equal_offline_generate_whatever_runs_beside(live, folders):
+    c = client(live)
+    expect = offline(folders, PROMPTS, 20)
+    results = [None] * len(PROMPTS)
+
+    def ask(i):   # greedy requests interleaved with sampled ones (other params, other lengths)
+        r = c.chat.completions.create(model="tiny", messages=chat(PROMPTS[i]), max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        results[i] = r
+        c.chat.completions.create(model="tiny", messages=chat(PROMPTS[-1 - i]), max_tokens=7 + i, temperature=0.9,
+                                  top_p=0.9, seed=i)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert [r.choices[0].message.content for r in results] == expect
+    r = results[0]
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens > 0 and r.choices[0].finish_reason == "length"
+    stats = r.model_extra["spec_stats"]
+    assert stats["verify_steps"] >= 1 and stats["accept_length"] == pytest.approx(20 / stats["verify_steps"], abs=1e-3)
+
+
+def test_streaming_chat_and_completions(live):
+    c = client(live)
+    full = c.chat.completions.create(model="tiny", messages=chat(PROMPTS[1]), max_tokens=16, temperature=0)
+    chunks = list(c.chat.completions.create(model="tiny", messages=chat(PROMPTS[1]), max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    assert [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason][0].choices[0].finish_reason in ("stop", "length")
+    comp = c.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=10, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny", prompt="w1 w2 w3",
+                                                                           max_tokens=10, temperature=0, stream=True))
+    assert streamed == comp.choices[0].text and comp.object == "text_completion"
+    # raw SSE: data lines, the last one [DONE]
+    with httpx.stream("POST", live.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 4,
+                                                                   "stream": True}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert "spec_stats" in json.loads(lines[-2][6:])
+
+
+def test_models_health_metrics(live):
+    models = httpx.get(live.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["object"] == "list"
+    h = httpx.get(live.url + "/health").json()
+    assert h["status"] == "ok" and h["max_running"] == 4
+    m = httpx.get(live.url + "/metrics")
+    assert m.headers["content-type"].startswith("text/plain")
+    for name in ("eagle3_generated_tokens_total", "eagle3_accept_length", "eagle3_running_requests",
+                 "eagle3_queued_requests", "eagle3_generation_tokens_per_second", "eagle3_free_kv_rows"):
+        assert f"\n{name} " in "\n" + m.text, name
+
+
+@pytest.mark.parametrize("body,status,param,phrase", [
+    ('{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "w1"}]}, 400, "model", "not served here"),
+    ({"model": "tiny", "messages": "hello"}, 400, "messages", "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": -3}, 400, "max_tokens", ">= 1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 100000}, 400, "messages",
+     "exceeds"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": " ".join(["w3"] * 400)}], "max_tokens": 4}, 400,
+     "messages", "exceeds"),
+    ({"model": "tiny", "messages": []}, 400, "messages", "non-empty"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "temperature": "hot"}, 400, "temperature",
+     "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n", "n=1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stop": [""]}, 400, "stop", "non-empty"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body, status, param, phrase):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(live.url + "/v1/chat/completions", content=data, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert phrase in err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert param in (err["param"] or "")
+    ok = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("w1"), "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_full_queue_answers_503_with_retry_after(folders):
+    target, draft = folders
+    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=1, max_queue=1, context_len=256,
+                                 model_name="tiny"))
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"model": "tiny", "messages": chat("w1 w2"), "max_tokens": 120, "ignore_eos": True}
+                return await asyncio.gather(*[c.post(srv.url + "/v1/chat/completions", json=body) for _ in range(4)])
+        codes = [r for r in asyncio.run(burst())]
+        busy = [r for r in codes if r.status_code == 503]
+        assert busy and all(r.status_code in (200, 503) for r in codes)
+        assert busy[0].headers["Retry-After"] == "1" and busy[0].json()["error"]["code"] == "server_busy"
+        assert httpx.get(srv.url + "/metrics").text.count('eagle3_requests_total{status="rejected"} ' + str(len(busy)))
+    finally:
+        srv.close()
+
+
+def wait_idle(live, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = httpx.get(live.url + "/health").json()
+        if h["free_rows"] == h["max_running"] and h["running"] == 0 and h["waiting"] == 0:
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle: {h}")
+
+
+def test_client_disconnect_cancels_and_frees_the_row(live):
+    before = httpx.get(live.url + "/metrics").text
+    body = {"model": "tiny", "messages": chat("w9 w8"), "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 3:
+                break                                   # hang up mid-stream
+    wait_idle(live)
+    after = httpx.get(live.url + "/metrics").text
+    count = lambda text: int(text.split('eagle3_requests_total{status="cancelled"} ')[1].split()[0])  # noqa: E731
+    assert count(after) == count(before) + 1
+
+
+def test_load_200_requests_at_concurrency_32_without_leaks(live):
+    import psutil
+    proc = psutil.Process(os.getpid())
+
+    async def load(n, conc):
+        sem = asyncio.Semaphore(conc)
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=conc)) as c:
+            async def one(i):
+                async with sem:
+                    body = {"model": "tiny", "messages": chat(PROMPTS[i % len(PROMPTS)]), "max_tokens": 8 + i % 9,
+                            "temperature": 0 if i % 2 else 0.7, "stream": bool(i % 3 == 0)}
+                    r = await c.post(live.url + "/v1/chat/completions", json=body)
+                    return r.status_code
+            return await asyncio.gather(*[one(i) for i in range(n)])
+    asyncio.run(load(40, 32))                            # warm-up: allocator and caches reach their level
+    wait_idle(live)
+    rss_idle = proc.memory_info().rss
+    codes = asyncio.run(load(200, 32))
+    assert codes == [200] * 200
+    h = wait_idle(live)
+    assert h["free_rows"] == h["max_running"] == 4     # every KV row came back
+    assert proc.memory_info().rss - rss_idle < 64 * 2 ** 20, "memory did not return to its idle level"
