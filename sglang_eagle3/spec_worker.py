@@ -8,6 +8,10 @@ One step for rows at root token x_n (the last verified token of each request):
               fused features, which also gives the draft state for the next tree.
 With draft=None (or a step without speculation) the tree is the root alone: one token per target forward.
 
+The draft-extend pairs of each step are held per row and run just before that row's next tree is drafted:
+steps without speculation (the profile turns it off at large batch sizes) then cost the draft nothing
+until it is needed again, or until PENDING_MAX pairs have piled up.
+
 State lives in fixed-size tensors indexed by pool row (the scheduler owns which request holds which row):
 the target's and the draft's KV pools, and per row the root token, its position and the draft's last
 hidden state / logits. Nothing is copied when requests come and go.
@@ -26,6 +30,8 @@ from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
 from .verify import (Acceptance, SamplingParams, accept_greedy, acceptance_from_lists, target_probs,
                      verify_sampling)
+
+PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
 
 
 @dataclass
@@ -61,6 +67,12 @@ class SpecWorker:
             self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
             self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
             self.scale = c.head_dim ** -0.5
+            # (target feature t, token t+1, position t) pairs not yet run through the draft, per row
+            n_feat = len(target.aux_layer_ids) * target.hidden_size
+            self.pend_feats = torch.zeros(num_rows, PENDING_MAX, n_feat, dtype=dtype, device=dev)
+            self.pend_ids = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
+            self.pend_pos = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
+            self.pend_n = torch.zeros(num_rows, dtype=torch.long, device=dev)
 
     def nbytes(self) -> int:
         return self.tpool.nbytes() + (self.dpool.nbytes() if self.dpool is not None else 0)
@@ -84,6 +96,7 @@ class SpecWorker:
         self.roots[row], self.root_pos[row] = root, T
         if self.draft is not None:
             self.dpool.reset(rows)
+            self.pend_n[rows] = 0
             d_in = torch.cat([ids[:, 1:], torch.tensor([[root]], device=dev)], 1)   # (feature t, token t+1)
             self._draft_extend(rows, d_in, out.aux_hidden_states, pos, torch.tensor([T], device=dev))
         return root, time.perf_counter() - t0
@@ -98,6 +111,7 @@ class SpecWorker:
         r = torch.tensor(rows, device=self.target.device)
         roots, root_pos = self.roots[r], self.root_pos[r]
         if self.draft is not None and spec is not None:
+            self._catch_up(r)
             tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
         else:
             tree = root_only_tree(roots, root_pos)
@@ -115,9 +129,33 @@ class SpecWorker:
         if self.draft is not None:
             feats = torch.gather(tv.aux_hidden_states, 1, path.unsqueeze(-1).expand(-1, -1, tv.aux_hidden_states.shape[-1]))
             positions = torch.gather(tree.positions, 1, path)
-            self._draft_extend(r, acc.emitted[:, :A], feats, positions, acc.count)
+            self._hold(r, acc.emitted[:, :A], feats, positions, acc.count, counts)
         times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
         return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times)
+
+    def _hold(self, rows: torch.Tensor, ids, feats, positions, count: torch.Tensor, counts: list[int]) -> None:
+        """Queue this step's pairs [B, A] (count[b] valid) for the draft; rows that would overflow catch up first."""
+        B, A = ids.shape
+        if any(n + c > PENDING_MAX for n, c in zip(self.pend_n[rows].tolist(), counts)):
+            self._catch_up(rows)
+        j = torch.arange(A, device=ids.device).view(1, A)
+        valid = j < count.view(B, 1)
+        row = rows.view(B, 1).expand(B, A)[valid]
+        slot = (self.pend_n[rows].view(B, 1) + j)[valid]
+        self.pend_ids[row, slot], self.pend_pos[row, slot] = ids[valid], positions[valid]
+        self.pend_feats[row, slot] = feats[valid].to(self.pend_feats.dtype)
+        self.pend_n[rows] += count
+
+    def _catch_up(self, rows: torch.Tensor) -> None:
+        """Run the held pairs of these rows through the draft (one batched extend)."""
+        n = self.pend_n[rows]
+        todo = n > 0
+        if not bool(todo.any()):
+            return
+        rows, n = rows[todo], n[todo]
+        A = int(n.max())
+        self._draft_extend(rows, self.pend_ids[rows, :A], self.pend_feats[rows, :A], self.pend_pos[rows, :A], n)
+        self.pend_n[rows] = 0
 
     def _draft_extend(self, rows: torch.Tensor, input_ids, aux, positions, num_new) -> None:
         """Draft forward over (feature t, token t+1) pairs; commit them; keep the last valid hidden/logits."""

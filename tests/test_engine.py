@@ -144,3 +144,35 @@ def test_draft_for_another_target_is_refused():
     other, _ = tiny_target("llama", vocab_size=80)
     with pytest.raises(CheckpointError, match="vocab_size"):
         SpeculativeEngine(tm, random_draft(other))
+
+
+def test_steps_without_speculation_keep_the_draft_in_sync():
+    """A row decoded without speculation (profile: no tree at this batch size) holds its draft pairs back and
+    runs them later: its draft KV and state end up what speculating all along gives, and outputs stay lossless."""
+    from sglang_eagle3.spec_worker import PENDING_MAX, SpecWorker
+    tm, _ = tiny_target("llama", logit_scale=4.0)
+    draft = random_draft(tm, draft_vocab_size=48)
+    draft.set_embedding(tm.embed_tokens)
+    spec = SpecConfig(3, 2, 6)
+    greedy = [SamplingParams(max_new_tokens=500, ignore_eos=True)] * 2
+    prompts = [[5, 9, 3, 7], [8, 2, 6, 11, 12]]
+
+    def run(plan):
+        w = SpecWorker(tm, draft, num_rows=2, max_len=400, draft_tree_slots=spec.num_steps * spec.topk)
+        out = [[w.prefill(r, p, greedy[0])[0]] for r, p in enumerate(prompts)]
+        for use_spec in plan:
+            res = w.step([0, 1], greedy, [None, None], spec if use_spec else None)
+            for o, e in zip(out, res.emitted):
+                o += e
+        w._catch_up(torch.arange(2))
+        return w, out
+
+    always, out_a = run([True] * 100)
+    mixed, out_m = run([False] * (PENDING_MAX + 10) + [True] * 8 + [False] * 5 + [True] * 3)
+    n = min(min(len(o) for o in out_a), min(len(o) for o in out_m))
+    assert n > 40 and all(a[:n] == m[:n] for a, m in zip(out_a, out_m))          # lossless either way
+    for r in range(2):
+        k = int(min(always.dpool.lens[r], mixed.dpool.lens[r]))
+        assert k > PENDING_MAX
+        torch.testing.assert_close(mixed.dpool.k[0, r, :, :k], always.dpool.k[0, r, :, :k], rtol=1e-5, atol=1e-5)
+    assert int(mixed.pend_n.sum()) == 0 and torch.equal(mixed.dpool.lens, mixed.tpool.lens)
