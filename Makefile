@@ -6,7 +6,8 @@ DATA   ?= $(or $(EAGLE3_DATA),../shared/data)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv test demo testbed regenerate data dump train bench-decode bench-acceptance tune-spec clean
+.PHONY: help venv test demo serve testbed regenerate data dump train bench-decode bench-acceptance bench-serving \
+        bench-llamacpp tune-spec llamacpp clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -31,40 +32,69 @@ demo: $(STAMP)  ## speculative decoding on the embedded target: text + stats
 	$(BIN)/eagle3 testbed
 	$(BIN)/python -m sglang_eagle3.demo --data $(DATA)
 
+serve: $(STAMP)  ## OpenAI-compatible server on 127.0.0.1:30000: embedded target + shipped draft (our engine)
+	$(BIN)/eagle3 testbed
+	$(BIN)/eagle3 serve --engine builtin --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),30000)
+
+bench-serving: $(STAMP)  ## starts our server (vanilla and EAGLE-3), sweeps concurrency 1..64, stops it
+	$(BIN)/python bench/bench_serving.py --start builtin --data $(DATA) --out results/bench_serving.json
+
+llamacpp: $(STAMP)  ## build the pinned llama.cpp (llama-cpp-python 0.3.36's vendored tree) into the cache (~20 min)
+	$(BIN)/python -m sglang_eagle3.llamacpp
+
+bench-llamacpp: $(STAMP)  ## llama.cpp with and without the shipped draft vs our engine (needs make llamacpp)
+	$(BIN)/python bench/bench_llamacpp.py --data $(DATA) --out results/bench_llamacpp.json
+
 bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs our vanilla vs speculative
 	$(BIN)/python bench/bench_decode.py --data $(DATA)
 
 # The embedded draft's recipe, one resumable stage per target (each prints progress + ETA; rerun to resume).
-RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v2
-REGEN_ROWS ?= 320
-TRAIN_INPUTS ?= $(DATA)/train/sharegpt_1k.jsonl $(DATA)/train/alpaca_en_demo.json $(DATA)/train/gsm8k_train.jsonl \
-                $(DATA)/train/glaive_toolcall_en_demo.json $(RUN)/regen_sharegpt.jsonl
-STEPS  ?= 180
+RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v3
+GSM8K_ROWS ?= 2000
+REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-tokens 512 --batch-size 32 --write-every 384
+REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl
+MAX_LEN ?= 2048
+STEPS  ?= 1600
 LR     ?= 1e-3
+ROWS   ?= 4
 NPROC  ?= 1
 THREADS ?= 2
 FEATURES ?= fused
-FEATURE_LOSS ?= 1
+FEATURE_LOSS ?= 0
+EAGLE31 ?= 0
+INIT   ?=
 TRAIN_OUT ?= $(RUN)/train
-regenerate: $(STAMP)  ## answer REGEN_ROWS ShareGPT prompts with the embedded target itself (resumable)
-	$(BIN)/eagle3 regenerate $(DATA)/train/sharegpt_prompts.jsonl --target testbed --dtype bfloat16 \
-	    --out $(RUN)/regen_sharegpt.jsonl --max-new-tokens 256 --batch-size 32 --max-rows $(REGEN_ROWS)
+TRAIN_FLAGS ?=
+regenerate: $(STAMP)  ## every training prompt answered by the embedded target itself (greedy, bf16; resumable)
+	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --out $(RUN)/regen_sharegpt.jsonl
+	$(REGEN) $(DATA)/train/alpaca_en_demo.json --out $(RUN)/regen_alpaca.jsonl
+	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
+	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-turns 3 --out $(RUN)/regen_sharegpt1k.jsonl
 
-data: $(STAMP)  ## tokenize the training mix (+ regenerated answers) and build the draft vocab (coverage table)
-	@test -f $(RUN)/regen_sharegpt.jsonl || { echo "run 'make regenerate' first"; exit 2; }
-	$(BIN)/eagle3 prepare-data $(TRAIN_INPUTS) --target testbed --out $(RUN)/data --max-length 768 \
-	    --max-rows 400 --draft-vocab-size 8192 --overwrite
+data: $(STAMP)  ## tokenize the regenerated conversations (rows up to MAX_LEN tokens, none cut) + draft vocab
+	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done
+	$(BIN)/eagle3 prepare-data $(REGEN_OUT) --target testbed --out $(RUN)/data --max-length $(MAX_LEN) \
+	    --length-policy drop --draft-vocab-size 8192 --overwrite
 
-dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards (resumable; ~3.1 GB)
+dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards (resumable)
+	@test -f $(RUN)/data/stats.json || { echo "missing $(RUN)/data: run 'make data' first"; exit 2; }
 	$(BIN)/python train/dump_hidden_states.py --target testbed --data $(RUN)/data --out $(RUN)/dump \
 	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096
 
+TRAIN_ARGS = --target testbed --data $(RUN)/dump --out $(TRAIN_OUT) --draft-vocab $(RUN)/data/draft_vocab.safetensors \
+	    --max-length $(MAX_LEN) --lr $(LR) --warmup-ratio 0.02 --min-lr-ratio 0.1 --grad-accum $(ROWS) \
+	    --max-steps $(STEPS) --eval-every 100 --save-every 25 --eval-rows 32 --features $(FEATURES) \
+	    --feature-loss-weight $(FEATURE_LOSS) $(if $(filter 1,$(EAGLE31)),--fc-norm --norm-output) \
+	    $(if $(INIT),--init-from $(INIT)) --resume $(TRAIN_FLAGS)
 train: $(STAMP)  ## train the draft from the dump (resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
+	@test -f $(RUN)/dump/manifest.json || { echo "missing $(RUN)/dump: run 'make dump' first"; exit 2; }
+ifeq ($(NPROC),1)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/eagle3 train $(TRAIN_ARGS) --backend ddp
+else
+	$(BIN)/eagle3 train $(TRAIN_ARGS) --check-only
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) train/train_eagle3.py \
-	    --target testbed --data $(RUN)/dump --out $(TRAIN_OUT) --draft-vocab $(RUN)/data/draft_vocab.safetensors \
-	    --max-length 768 --lr $(LR) --warmup-ratio 0.03 --min-lr-ratio 0.1 --grad-accum 4 --max-steps $(STEPS) \
-	    --eval-every 50 --save-every 25 --eval-rows 16 --features $(FEATURES) --feature-loss-weight $(FEATURE_LOSS) \
-	    $(if $(filter 1,$(NPROC)),--backend ddp,--deepspeed-config train/ds_zero2.json) --resume
+	    $(TRAIN_ARGS) --deepspeed-config train/ds_zero2.json
+endif
 
 DRAFT ?= $(error set DRAFT=path/to/eagle3-draft)
 bench-acceptance: $(STAMP)  ## bench/bench_acceptance.py: tau and speed-up per eval set (needs DRAFT=...)

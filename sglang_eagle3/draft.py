@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import Eagle3Config
 
 # attend(q [B, nH, T, D], k [B, nKV, T, D], v [B, nKV, T, D]) -> [B, nH, T, D]
@@ -45,8 +46,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast = False                     # inference: the fused kernel (same rounding)
 
     def forward(self, x):
+        if self.fast and not self.training and x.dtype == self.weight.dtype:
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,15 +85,20 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.fused = None                                        # inference: (qkv, o) PackedLinears
 
     def forward(self, x, cos, sin, attend: AttendFn):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused is not None and not self.training:
+            q, k, v = kernels.split_heads(self.fused[0](x), self.num_heads, self.num_kv_heads)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v)                                    # [B, nH, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # [B, T, nH * D]
+        return self.fused[1](out) if self.fused is not None and not self.training else self.o_proj(out)
 
 
 class Eagle3MLP(nn.Module):
@@ -98,8 +107,11 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = None                                        # inference: (gate_up, down) PackedLinears
 
     def forward(self, x):
+        if self.fused is not None and not self.training:
+            return self.fused[1](kernels.silu_and_mul(self.fused[0](x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -164,6 +176,7 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed_tokens: Optional[nn.Embedding] = None   # the target's, set by set_embedding; not saved
+        self._fused_fc = self._fused_lm_head = None         # prepare_inference
         if config.draft_vocab_size == config.vocab_size:
             self.set_vocab_mapping(torch.arange(config.vocab_size))
 
@@ -208,11 +221,39 @@ class Eagle3DraftModel(nn.Module):
         cos, sin = self.rotary(positions, embeds.dtype)
         return self.midlayer(embeds, hidden_states, cos, sin, attend or sdpa_attend(None))
 
+    # ---- inference fast path -------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_inference(self) -> "Eagle3DraftModel":
+        """Fused and prepacked weights for decoding (kernels.PackedLinear: q/k/v and gate/up as one matmul each,
+        oneDNN-prepacked in bf16 on CPU) and the fused RMSNorm kernel. Training (`.train()`) drops them; call
+        again after the weights change."""
+        a, m = self.midlayer.self_attn, self.midlayer.mlp
+        a.fused = (kernels.PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                   kernels.PackedLinear(a.o_proj.weight))
+        m.fused = (kernels.PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                   kernels.PackedLinear(m.down_proj.weight))
+        self._fused_fc, self._fused_lm_head = kernels.PackedLinear(self.fc.weight), kernels.PackedLinear(self.lm_head.weight)
+        for mod in self.modules():
+            if isinstance(mod, RMSNorm):
+                mod.fast = True
+        return self.eval()
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.midlayer.self_attn.fused = self.midlayer.mlp.fused = None
+            self._fused_fc = self._fused_lm_head = None
+            for mod in self.modules():
+                if isinstance(mod, RMSNorm):
+                    mod.fast = False
+        return super().train(mode)
+
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Fused features g = fc([l; m; h]) (EAGLE-3.1: fc([N0(l); N1(m); N2(h)])): [.., n_aux*H_target] -> [.., H]."""
         x = aux_hidden_states.to(self.fc.weight.dtype)
         if self.fc_norm is not None:
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        if self._fused_fc is not None and not self.training:
+            return self._fused_fc(x)
         return self.fc(x)
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -221,6 +262,8 @@ class Eagle3DraftModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., H] -> draft-vocab logits [.., draft_vocab_size]."""
+        if self._fused_lm_head is not None and not self.training:
+            return self._fused_lm_head(self.norm(hidden))
         return self.lm_head(self.norm(hidden))
 
     # ---- checkpoint ----------------------------------------------------------------------

@@ -92,6 +92,7 @@ class SpeculativeEngine:
             draft.to(device=target.device, dtype=target.dtype).eval()
             draft.set_embedding(target.embed_tokens)
             draft.check_runtime()
+            draft.prepare_inference()
         self.eos_ids = eos_ids_of(target)
         self._scheduler: Optional[Scheduler] = None
 

@@ -37,6 +37,20 @@ def mode() -> str:
     return _mode
 
 
+class using:
+    """with kernels.using("off"): ... - run a block in a kernel mode (benchmarks, tests)."""
+
+    def __init__(self, new: str):
+        self.new = new
+
+    def __enter__(self):
+        self.old = _mode
+        set_mode(self.new)
+
+    def __exit__(self, *exc):
+        set_mode(self.old)
+
+
 def build_dir() -> str:
     from .testbed import cache_dir
     return os.path.join(cache_dir(), "torch_extensions", f"torch{torch.__version__.split('+')[0]}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
@@ -111,25 +112,32 @@ class SpecWorker:
         r = torch.tensor(rows, device=self.target.device)
         roots, root_pos = self.roots[r], self.root_pos[r]
         if self.draft is not None and spec is not None:
-            self._catch_up(r)
-            tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
+            with record_function("eagle3::draft_extend"):
+                self._catch_up(r)
+            with record_function("eagle3::draft_tree"):
+                tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
         else:
             tree = root_only_tree(roots, root_pos)
         t1 = time.perf_counter()
-        tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
-                         want_aux=self.draft is not None)
-        acc = accept(tree, tv.logits, params, generators)
-        counts, emitted = acc.count.tolist(), acc.emitted.tolist()                     # the step's one sync
+        with record_function("eagle3::verify_forward"):
+            tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
+                             want_aux=self.draft is not None)
+        with record_function("eagle3::accept"):
+            acc = accept(tree, tv.logits, params, generators)
+            counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync
         A = max(counts)
         path = acc.path[:, :A]
-        self.tpool.commit(r, path, acc.count)
-        last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
-        self.roots[r], self.root_pos[r] = last, root_pos + acc.count
+        with record_function("eagle3::kv_commit"):
+            self.tpool.commit(r, path, acc.count)
+            last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
+            self.roots[r], self.root_pos[r] = last, root_pos + acc.count
         t2 = time.perf_counter()
         if self.draft is not None:
-            feats = torch.gather(tv.aux_hidden_states, 1, path.unsqueeze(-1).expand(-1, -1, tv.aux_hidden_states.shape[-1]))
-            positions = torch.gather(tree.positions, 1, path)
-            self._hold(r, acc.emitted[:, :A], feats, positions, acc.count, counts)
+            with record_function("eagle3::draft_hold"):
+                aux = tv.aux_hidden_states
+                feats = torch.gather(aux, 1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
+                positions = torch.gather(tree.positions, 1, path)
+                self._hold(r, acc.emitted[:, :A], feats, positions, acc.count, counts)
         times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
         return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times)
 

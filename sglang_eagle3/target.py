@@ -100,6 +100,15 @@ class TargetModel(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer's matrices and norms, the final norm, the lm_head."""
+        el = self.embed_tokens.weight.element_size()
+        c = self.hf_config
+        inter = c.intermediate_size
+        per_layer = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim * self.hidden_size \
+            + self.num_heads * self.head_dim * self.hidden_size + 3 * inter * self.hidden_size + 2 * self.hidden_size
+        return el * (self.num_layers * per_layer + self.hidden_size + self.vocab_size * self.hidden_size)
+
     def new_cache(self, num_rows: int, max_len: int) -> KVPool:
         return KVPool(self.num_layers, num_rows, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
 

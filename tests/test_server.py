@@ -232,3 +232,24 @@ def test_load_200_requests_at_concurrency_32_without_leaks(live):
     h = wait_idle(live)
     assert h["free_rows"] == h["max_running"] == 4     # every KV row came back
     assert proc.memory_info().rss - rss_idle < 64 * 2 ** 20, "memory did not return to its idle level"
+
+
+def test_bench_serving_against_live_servers(live, tmp_path, folders):
+    """The serving benchmark's client on two servers (here both ours): JSON, table and plot."""
+    from sglang_eagle3.bench.serving import run
+    from sglang_eagle3.bench import report
+    data = tmp_path / "data" / "eval"
+    data.mkdir(parents=True)
+    (data / "tiny.jsonl").write_text("\n".join(json.dumps({"turns": [p]}) for p in PROMPTS) + "\n")
+    out = tmp_path / "serving.json"
+    assert run(["--url", f"a={live.url}/v1", "--url", f"b={live.url}/v1", "--data", str(tmp_path / "data"),
+                "--datasets", "tiny", "--concurrency", "1,3", "--requests", "5", "--max-tokens", "6",
+                "--out", str(out)]) == 0
+    r = report.read_json(str(out))
+    for name in ("a", "b"):
+        for c in ("1", "3"):
+            lv = r["levels"][name][c]
+            assert lv["completed"] == 5 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0
+            assert lv["accept_length"] >= 1.0
+    assert "concurrency" in (tmp_path / "serving.md").read_text()
+    assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -294,3 +294,15 @@ def test_eagle31_training_and_loss_mask_offset(setup, tmp_path):
     d = Eagle3DraftModel.from_pretrained(s["export"])
     assert d.config.fc_norm and d.config.norm_output and len(d.fc_norm) == 3
     assert s["final_eval"]["loss"] == s["final_eval"]["loss"]              # finite (not NaN)
+
+
+def test_check_only_names_missing_inputs(setup, tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    _, target, _, dump = setup
+    base = ["train", "--target", target, "--out", str(tmp_path / "run"), "--check-only"]
+    assert main([*base, "--data", str(tmp_path / "nope")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert main([*base, "--data", dump, "--draft-vocab", str(tmp_path / "v.safetensors")]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err
+    assert main([*base, "--data", dump]) == 0 and "inputs ok" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()

@@ -1,28 +1,39 @@
-"""Decode-speed benchmark on one target: transformers `generate` vs our runtime (vanilla) vs our
-runtime with a random EAGLE-3 draft, batch 1, run alternately prompt by prompt in one process.
+"""What decides speculative decoding speed on one machine, measured in one process.
 
-Also measured, per dtype: how close one decode step comes to its memory floor (bytes of weights read
-per token / measured read bandwidth), the cost of one verify forward over trees of T tokens relative
-to one token, and (bf16) how often speculative and vanilla outputs differ at all (numerical near-ties).
+Two runtimes on the same weights: `eager` (plain PyTorch: F.linear, torch attention and norms; what
+`--compile off` runs) and `fused` (the default: oneDNN-prepacked bf16 linears and the C++ kernels of
+csrc/cpu_ops.cpp, built once at install). Parts:
+  speed    batch 1, per prompt alternately: transformers `generate`, ours eager, ours fused (tokens/s);
+           llama.cpp's own decode of the same model (llama-bench) when the pinned build is present.
+  step     one decode step vs its memory floor (weight bytes / measured read bandwidth), and the cost of one
+           verify forward over T tokens relative to T = 1, both runtimes.
+  trees    with a trained draft, per tree shape: draft cost per step relative to one target step, verify
+           cost, the break-even acceptance length (draft + verify) / vanilla step, and the acceptance the
+           draft actually reaches with that shape (and the measured speed-up).
+  profile  torch.profiler breakdown of a vanilla and a speculative step (draft tree, draft extend, verify
+           forward, acceptance, KV commit) at batch 1 and 8, both runtimes.
+  compile  torch.compile (inductor, static shapes, gpt-fast style) of a plain decode step, for comparison.
+  divergence  bf16: how often speculative and vanilla greedy outputs differ (numerical near-ties).
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from typing import Optional
 
 import torch
-from tqdm import tqdm
 
-from ..config import Eagle3Config, SpecConfig
-from ..draft import Eagle3DraftModel
+from .. import kernels
+from ..config import SpecConfig
 from ..engine import SpeculativeEngine
-from ..generate_cli import DTYPES
+from ..generate_cli import DTYPES, load_draft
 from ..prompts import load_prompts
 from ..target import TargetModel
 from ..verify import SamplingParams
 
 EVAL_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
+PHASES = ("draft_extend", "draft_tree", "verify_forward", "accept", "kv_commit", "draft_hold")
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
@@ -36,27 +47,39 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
     return nbytes / best / 1e9
 
 
-def decode_bytes(tm: TargetModel) -> int:
-    """Bytes one decode step must read: every layer's weights, the final norm and the lm_head."""
-    n = sum(p.numel() * p.element_size() for p in tm.layers.parameters())
-    n += sum(p.numel() * p.element_size() for p in tm.norm.parameters())
-    return n + tm.lm_head.weight.numel() * tm.lm_head.weight.element_size()
+class Runtimes:
+    """transformers' model and our two runtimes (eager, fused) over the same weights."""
+
+    def __init__(self, target_path: str, dtype_name: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[dtype_name]).eval()
+        tok = AutoTokenizer.from_pretrained(target_path)
+        t0 = time.perf_counter()
+        self.extension_ready = kernels.extension() is not None
+        self.extension_load_s = time.perf_counter() - t0
+        with kernels.using("off"):
+            self.eager = TargetModel(self.hf, tok)
+        self.fused = TargetModel(self.hf, tok)
+        self.mode = {"eager": "off", "fused": "auto"}
+
+    def target(self, name: str) -> TargetModel:
+        return self.eager if name == "eager" else self.fused
 
 
-def time_forward(tm: TargetModel, context: int, T: int, repeats: int) -> float:
-    """Median seconds of one target forward over T new tokens (a chain) after `context` cached tokens."""
-    cache = tm.new_cache(1, context + T + 1)
-    ids = torch.randint(0, tm.vocab_size, (1, context))
-    tm(cache, ids, torch.arange(context).view(1, -1), want_aux=False)
-    cache.commit([list(range(context))])
-    new = torch.randint(0, tm.vocab_size, (1, T))
-    pos = (context + torch.arange(T)).view(1, T)
+def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:
+    """Median seconds of one target forward over T new tokens per row (a chain) after `context` cached tokens."""
+    cache = tm.new_cache(batch, context + T + 1)
+    ids = torch.randint(0, tm.vocab_size, (batch, context))
+    tm(cache, ids, torch.arange(context).expand(batch, -1), want_aux=False)
+    cache.commit_prefix(torch.arange(batch), torch.full((batch,), context))
+    new = torch.randint(0, tm.vocab_size, (batch, T))
+    pos = (context + torch.arange(T)).expand(batch, T)
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 2):
         t0 = time.perf_counter()
         tm(cache, new, pos, want_aux=True)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[2:])
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int) -> list[int]:
@@ -65,94 +88,228 @@ def hf_generate(hf, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def load_models(target_path: str, dtype_name: str, a):
-    """transformers model, and our vanilla and random-draft engines on the same weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[dtype_name]).eval()
-    tm = TargetModel(hf, AutoTokenizer.from_pretrained(target_path))
-    torch.manual_seed(0)
-    cfg = Eagle3Config.for_target(hf.config, draft_vocab_size=a.draft_vocab_size)
-    draft = Eagle3DraftModel(cfg)
-    draft.set_vocab_mapping(torch.arange(cfg.draft_vocab_size))
-    spec = SpeculativeEngine(tm, draft, SpecConfig(a.num_steps, a.topk, a.num_draft_tokens))
-    return hf, tm, SpeculativeEngine(tm, None), spec
-
-
-def bench_dtype(target_path: str, dtype_name: str, prompts: list[str], a) -> dict:
-    hf, tm, vanilla, spec = load_models(target_path, dtype_name, a)
-    params = SamplingParams(max_new_tokens=a.max_new_tokens)
-    chats = [[{"role": "user", "content": p}] for p in prompts]
-    variants = ["transformers", "vanilla", "speculative"]
-    runs = {v: [] for v in variants}
-    identical = {"vanilla_vs_transformers": 0, "speculative_vs_vanilla": 0}
-    accept = []
-    hf_generate(hf, vanilla.encode(chats[0]), 8)                  # warm-up of both paths
-    vanilla.generate(chats[:1], SamplingParams(max_new_tokens=8))
-    for i, chat in enumerate(tqdm(chats, desc=f"decode {dtype_name}", unit="prompt")):
-        order = variants[i % 3:] + variants[:i % 3]               # rotate who goes first
-        toks = {}
-        for v in order:
-            t0 = time.perf_counter()
-            if v == "transformers":
-                toks[v] = hf_generate(hf, vanilla.encode(chat), a.max_new_tokens)
-            else:
-                outs, st = (vanilla if v == "vanilla" else spec).generate([chat], params)
-                toks[v] = outs[0].token_ids
-                if v == "speculative":
-                    accept.append(st.accept_length)
-            dt = time.perf_counter() - t0
-            runs[v].append({"tokens": len(toks[v]), "seconds": dt, "tokens_per_s": len(toks[v]) / dt})
-        identical["vanilla_vs_transformers"] += _same(toks["vanilla"], toks["transformers"])
-        identical["speculative_vs_vanilla"] += toks["speculative"] == toks["vanilla"]
-
-    med = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in variants}
-    ratio = lambda x, y: statistics.median(rx["tokens_per_s"] / ry["tokens_per_s"] for rx, ry in zip(runs[x], runs[y]))
-    bw = read_bandwidth_gbs()
-    step = time_forward(tm, a.context, 1, a.repeats)
-    floor = decode_bytes(tm) / (bw * 1e9)
-    tree_cost = {T: time_forward(tm, a.context, T, a.repeats) for T in a.tree_sizes}
-    result = {
-        "dtype": dtype_name, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
-        "median_tokens_per_s": med,
-        "ratio_vanilla_over_transformers": ratio("vanilla", "transformers"),
-        "ratio_speculative_over_vanilla": ratio("speculative", "vanilla"),
-        "identical_outputs": identical, "random_draft_accept_length": statistics.mean(accept),
-        "runs": runs,
-        "decode_step": {"measured_s": step, "weight_bytes": decode_bytes(tm), "read_bandwidth_gbs": bw,
-                        "floor_s": floor, "floor_over_measured": floor / step},
-        "verify_cost_relative_to_1": {str(T): tree_cost[T] / tree_cost[1] for T in a.tree_sizes},
-        "verify_cost_s": {str(T): tree_cost[T] for T in a.tree_sizes},
-    }
-    return result
-
-
 def _same(ours: list[int], ref: list[int]) -> bool:
     """Equal, allowing transformers to omit a final EOS that we keep (or the reverse)."""
     k = min(len(ours), len(ref))
     return ours[:k] == ref[:k] and abs(len(ours) - len(ref)) <= 1
 
 
-def divergence(target_path: str, dtype_name: str, prompts: list[str], a) -> dict:
+# ---- speed ---------------------------------------------------------------------------------------
+def bench_speed(rt: Runtimes, prompts: list[str], max_new_tokens: int) -> dict:
+    from tqdm import tqdm
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    engines = {n: SpeculativeEngine(rt.target(n), None) for n in ("eager", "fused")}
+    variants = ["transformers", "eager", "fused"]
+    runs = {v: [] for v in variants}
+    same = {"fused_vs_transformers": 0, "fused_vs_eager": 0}
+    ids0 = engines["fused"].encode(chats[0])
+    hf_generate(rt.hf, ids0, 8)                                        # warm-up of every path
+    for n, e in engines.items():
+        with kernels.using(rt.mode[n]):
+            e.generate(chats[:1], SamplingParams(max_new_tokens=8))
+    for i, chat in enumerate(tqdm(chats, desc="decode speed", unit="prompt")):
+        order = variants[i % 3:] + variants[:i % 3]                     # rotate who goes first
+        toks = {}
+        for v in order:
+            t0 = time.perf_counter()
+            if v == "transformers":
+                toks[v] = hf_generate(rt.hf, engines["fused"].encode(chat), max_new_tokens)
+            else:
+                with kernels.using(rt.mode[v]):
+                    toks[v] = engines[v].generate([chat], params)[0][0].token_ids
+            dt = time.perf_counter() - t0
+            runs[v].append({"tokens": len(toks[v]), "seconds": dt, "tokens_per_s": len(toks[v]) / dt})
+        same["fused_vs_transformers"] += _same(toks["fused"], toks["transformers"])
+        same["fused_vs_eager"] += toks["fused"] == toks["eager"]
+    med = {v: statistics.median(r["tokens_per_s"] for r in runs[v]) for v in variants}
+    ratio = lambda x, y: statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[x], runs[y]))  # noqa: E731
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "median_tokens_per_s": med,
+            "ratio_fused_over_transformers": ratio("fused", "transformers"),
+            "ratio_eager_over_transformers": ratio("eager", "transformers"),
+            "ratio_fused_over_eager": ratio("fused", "eager"), "identical": same, "runs": runs}
+
+
+# ---- step cost --------------------------------------------------------------------------------------
+def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) -> dict:
+    bw = read_bandwidth_gbs()
+    nbytes = rt.fused.weight_bytes()
+    out = {"read_bandwidth_gbs": bw, "weight_bytes": nbytes, "floor_s": nbytes / (bw * 1e9), "context": context}
+    for name in ("eager", "fused"):
+        with kernels.using(rt.mode[name]):
+            cost = {T: time_forward(rt.target(name), context, T, repeats) for T in tree_sizes}
+        out[name] = {"step_s": cost[1], "floor_over_step": out["floor_s"] / cost[1],
+                     "step_over_floor": cost[1] / out["floor_s"],
+                     "verify_s": {str(T): c for T, c in cost.items()},
+                     "verify_relative": {str(T): c / cost[1] for T, c in cost.items()}}
+    return out
+
+
+# ---- trees ----------------------------------------------------------------------------------------
+def parse_trees(text: str) -> list[SpecConfig]:
+    out = []
+    for part in text.split(";"):
+        s, k, n = (int(x) for x in part.split(","))
+        out.append(SpecConfig(s, k, n))
+    return out
+
+
+def bench_trees(rt: Runtimes, draft_path: str, dtype_name: str, prompts: list[str], trees: list[SpecConfig],
+                max_new_tokens: int) -> dict:
+    """Per tree shape: per-step draft and verify cost, break-even and measured acceptance, speed-up (fused)."""
+    from tqdm import tqdm
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    draft = load_draft(draft_path, DTYPES[dtype_name])
+    vanilla = SpeculativeEngine(rt.fused, None)
+    vanilla.generate(chats[:1], SamplingParams(max_new_tokens=8))
+    engines = [SpeculativeEngine(rt.fused, draft, t) for t in trees]
+    engines[0].generate(chats[:1], SamplingParams(max_new_tokens=8))
+    van = {"tokens": 0, "steps": 0, "time": 0.0}
+    per = [{"tokens": 0, "steps": 0, "time": 0.0, "draft": 0.0, "verify": 0.0} for _ in trees]
+    for chat in tqdm(chats, desc="tree shapes", unit="prompt"):
+        _, st = vanilla.generate([chat], params)
+        van["tokens"] += st.generated_tokens - 1
+        van["steps"] += st.verify_steps - 1
+        van["time"] += st.verify_time + st.draft_time
+        for p, eng in zip(per, engines):
+            _, st = eng.generate([chat], params)
+            p["tokens"] += st.generated_tokens - 1                     # decode steps only (prefill excluded)
+            p["steps"] += st.verify_steps - 1
+            p["time"] += st.verify_time + st.draft_time
+            p["draft"] += st.draft_time
+            p["verify"] += st.verify_time
+    step = van["time"] / van["steps"]
+    rows = []
+    for t, p in zip(trees, per):
+        draft_s, verify_s = p["draft"] / p["steps"], p["verify"] / p["steps"]
+        tau = p["tokens"] / p["steps"]
+        breakeven = (draft_s + verify_s) / step
+        rows.append({"tree": {"num_steps": t.num_steps, "topk": t.topk, "num_draft_tokens": t.num_draft_tokens},
+                     "draft_over_step": draft_s / step, "verify_over_step": verify_s / step,
+                     "draft_over_verify": draft_s / verify_s, "breakeven_accept_length": breakeven,
+                     "accept_length": tau, "predicted_speedup": tau / breakeven,
+                     "measured_speedup": (p["tokens"] / p["time"]) / (van["tokens"] / van["time"])})
+    return {"draft": os.path.abspath(draft_path), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "vanilla_step_s": step, "trees": rows,
+            "note": "per decode step, prefill excluded; accept_length = tokens emitted per target forward"}
+
+
+# ---- profile ---------------------------------------------------------------------------------------
+def bench_profile(rt: Runtimes, draft_path: Optional[str], dtype_name: str, prompt: str, spec: SpecConfig,
+                  batches: list[int], steps: int = 20) -> dict:
+    """ms per step of each phase (torch.profiler record_function scopes in the speculative worker)."""
+    from torch.profiler import ProfilerActivity, profile
+    from ..spec_worker import SpecWorker
+    draft = load_draft(draft_path, DTYPES[dtype_name]) if draft_path else None
+    out = {}
+    for name in ("eager", "fused"):
+        with kernels.using(rt.mode[name]):
+            tm = rt.target(name)
+            # prepares the draft for this runtime (mode off: plain weights and PyTorch norms)
+            eng = SpeculativeEngine(tm, draft, spec) if draft is not None else None
+            ids = SpeculativeEngine(tm, None).encode([{"role": "user", "content": prompt}])
+            for B in batches:
+                for kind, use in (("vanilla", None), ("speculative", spec)):
+                    if kind == "speculative" and draft is None:
+                        continue
+                    w = SpecWorker(tm, draft if use else None, B, len(ids) + (steps + 4) * spec.num_draft_tokens + 8,
+                                   spec.num_steps * spec.topk)
+                    params = [SamplingParams(max_new_tokens=10 ** 6, ignore_eos=True)] * B
+                    for r in range(B):
+                        w.prefill(r, ids, params[0])
+                    for _ in range(2):
+                        w.step(list(range(B)), params, [None] * B, use)
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            w.step(list(range(B)), params, [None] * B, use)
+                        wall = (time.perf_counter() - t0) / steps
+                    phases = {e.key.split("::")[1]: e.cpu_time_total / 1e3 / steps
+                              for e in prof.key_averages() if e.key.startswith("eagle3::")}
+                    out[f"{name}/{kind}/b{B}"] = {"step_ms": wall * 1e3, "phases_ms": phases}
+            del eng
+    return out
+
+
+# ---- torch.compile ----------------------------------------------------------------------------------
+def bench_compile(rt: Runtimes, context: int, tokens: int = 64) -> dict:
+    """A gpt-fast-style decode step (static KV window, SDPA with a position mask, plain F.linear) compiled by
+    inductor with fixed shapes, against our fused step: compile time and step time."""
+    import torch.nn.functional as F
+    tm = rt.eager                                     # plain weights
+    S = context + tokens + 8
+    L, nH, nKV, D = tm.num_layers, tm.num_heads, tm.num_kv_heads, tm.head_dim
+    kc = torch.zeros(L, 1, nKV, S, D, dtype=tm.dtype)
+    vc = torch.zeros_like(kc)
+    layers = [(ly.wqkv.weight, ly.wo.weight, ly.w_gate_up.weight, ly.w_down.weight, ly.input_norm.weight,
+               ly.post_norm.weight, ly.eps) for ly in tm.layers]
+
+    def norm(x, w, eps):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def step(ids, pos):                                # ids [1, 1], pos [1] int64
+        x = tm.embed_tokens(ids)
+        cos, sin = tm.rotary_emb(x, pos.view(1, 1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = (torch.arange(S) <= pos).view(1, 1, 1, S)
+        for i, (wqkv, wo, wgu, wd, n1, n2, eps) in enumerate(layers):
+            q, k, v = F.linear(norm(x, n1, eps), wqkv).split([nH * D, nKV * D, nKV * D], -1)
+            q = kernels.apply_rope(q.view(1, 1, nH, D).transpose(1, 2), cos, sin)
+            k = kernels.apply_rope(k.view(1, 1, nKV, D).transpose(1, 2), cos, sin)
+            kc[i].index_copy_(2, pos, k)
+            vc[i].index_copy_(2, pos, v.view(1, 1, nKV, D).transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, kc[i], vc[i], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(1, 1, nH * D), wo)
+            g, u = F.linear(norm(x, n2, eps), wgu).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, wd)
+        return tm.lm_head(norm(x, tm.norm.weight, tm.final_eps)).float()
+
+    compiled = torch.compile(step, dynamic=False, fullgraph=True)
+    ids = torch.tensor([[5]])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for p in range(context):                       # fill the window (the first calls compile)
+            compiled(ids, torch.tensor([p]))
+        compile_s = time.perf_counter() - t0
+        times = []
+        for p in range(context, context + tokens):
+            t1 = time.perf_counter()
+            compiled(ids, torch.tensor([p]))
+            times.append(time.perf_counter() - t1)
+    with kernels.using("auto"):
+        fused = time_forward(rt.fused, context, 1, 20)
+    return {"mode": "torch.compile(dynamic=False, fullgraph=True), inductor defaults", "context": context,
+            "compile_and_warmup_s": compile_s, "step_s": statistics.median(times), "fused_step_s": fused,
+            "compiled_over_fused": statistics.median(times) / fused}
+
+
+# ---- divergence (bf16 near-ties) ---------------------------------------------------------------------
+def divergence(target_path: str, draft_path: Optional[str], dtype_name: str, prompts: list[str], tokens: int,
+               batch: int) -> dict:
     """How many prompts' greedy outputs differ between speculative and vanilla decoding (per 100).
     A correctness count, not a timing: it may run while the machine does other work."""
-    _, _, vanilla, spec = load_models(target_path, dtype_name, a)
+    from tqdm import tqdm
+    from ..generate_cli import load_engine
+    spec_engine = load_engine(target_path, draft_path, SpecConfig(), dtype_name)
+    vanilla = SpeculativeEngine(spec_engine.target, None)
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    params = SamplingParams(max_new_tokens=a.divergence_tokens)
+    params = SamplingParams(max_new_tokens=tokens)
     differ, first_diff = 0, []
-    bs = a.divergence_batch
-    for i in tqdm(range(0, len(chats), bs), desc="bf16 divergence", unit="batch"):
-        van, _ = vanilla.generate(chats[i:i + bs], params)
-        spc, _ = spec.generate(chats[i:i + bs], params)
+    for i in tqdm(range(0, len(chats), batch), desc=f"{dtype_name} divergence", unit="batch"):
+        van, _ = vanilla.generate(chats[i:i + batch], params, batch_size=batch)
+        spc, _ = spec_engine.generate(chats[i:i + batch], params, batch_size=batch)
         for v, s in zip(van, spc):
             if v.token_ids != s.token_ids:
                 differ += 1
                 first_diff.append(next((j for j, (x, y) in enumerate(zip(v.token_ids, s.token_ids)) if x != y),
                                        min(len(v.token_ids), len(s.token_ids))))
-    return {"dtype": dtype_name, "prompts": len(prompts), "tokens_each": a.divergence_tokens, "differ": differ,
-            "per_100": 100.0 * differ / len(prompts), "first_differing_token": first_diff}
+    return {"dtype": dtype_name, "draft": draft_path, "prompts": len(prompts), "tokens_each": tokens,
+            "differ": differ, "per_100": 100.0 * differ / len(prompts), "first_differing_token": first_diff}
 
 
-def eval_prompts(data: str, n_mt: int, n_div: int) -> tuple[list[str], list[str]]:
+def eval_prompts(data: str, n_mt: int, n_mixed: int) -> tuple[list[str], list[str]]:
     mt = [t[0] for t in load_prompts(os.path.join(data, "eval", "mt_bench.jsonl"), limit=n_mt)]
     pool = []
     for name in EVAL_SETS:
@@ -160,4 +317,4 @@ def eval_prompts(data: str, n_mt: int, n_div: int) -> tuple[list[str], list[str]
         if os.path.isfile(path):
             pool.append([t[0] for t in load_prompts(path)])
     mixed = [p for group in zip(*pool) for p in group] if pool else []   # interleave the sets
-    return mt, mixed[:n_div]
+    return mt, mixed[:n_mixed]

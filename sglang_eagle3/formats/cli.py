@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from ..cli import UserError
 from . import FORMATS, FolderError, FormatError, export_draft, import_draft
 
 
@@ -19,7 +20,6 @@ def _report(out: str, fmt: str, findings, notes) -> None:
 
 def _run(fn, *args, **kwargs):
     from .files import TargetError
-    from ..cli import UserError
     try:
         return fn(*args, **kwargs)
     except (FolderError, FormatError, TargetError, FileExistsError) as e:
@@ -27,6 +27,15 @@ def _run(fn, *args, **kwargs):
 
 
 def _export(args) -> int:
+    if args.format == "gguf":
+        from .gguf import GGUFExportError, export_gguf
+        try:
+            summary = export_gguf(args.draft, args.target, args.out, overwrite=args.force)
+        except GGUFExportError as e:
+            raise UserError(str(e)) from None
+        print(f"wrote {summary['files'][0]} (eagle3, target_layers {summary['llamacpp_target_layers']} = inputs of "
+              f"those layers, our ids {summary['our_layer_ids']}) and {summary['files'][1]}")
+        return 0
     findings, notes = _run(export_draft, args.draft, args.format, args.out, target=args.target,
                            speculative_tokens=args.speculative_tokens, overwrite=args.force)
     _report(args.out, args.format, findings, notes)
@@ -43,7 +52,8 @@ def _import(args) -> int:
 def add_cli(sub) -> None:
     p = sub.add_parser("export", help="write a draft in another layout (sglang, eagle-official, speculators)")
     p.add_argument("--draft", required=True, help="draft folder (any supported layout)")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--format", required=True, choices=FORMATS + ("gguf",),
+                   help="gguf: llama.cpp's draft.gguf (eagle3) and target.gguf, by the pinned llama.cpp's converter")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--target", default=None, help="target HF folder or hub id: validates the result and fills "
                                                    "speculators_config.verifier")

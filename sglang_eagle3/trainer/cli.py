@@ -136,6 +136,8 @@ def add_train_args(p) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
     g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
                    "metrics and draft and start again")
+    g.add_argument("--check-only", action="store_true", help="check the inputs (target, data, vocab, run folder) "
+                   "and exit: what `make train` runs before launching workers")
     g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
     g.add_argument("--no-tensorboard", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -163,9 +165,29 @@ def train_config(args):
         verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
 
 
+def check_inputs(cfg) -> None:
+    """Cheap checks before any worker starts: one line naming the bad input instead of a worker traceback."""
+    from ..hidden_dump import MANIFEST
+    from .loop import check_run_folder
+    if not os.path.exists(cfg.data):
+        raise UserError(f"--data {cfg.data}: no such file or folder (make data / make dump first?)")
+    if os.path.isdir(cfg.data) and not (os.path.isfile(os.path.join(cfg.data, MANIFEST)) or
+                                        os.path.isfile(os.path.join(cfg.data, "data.arrow"))):
+        raise UserError(f"--data {cfg.data}: neither a hidden-state dump ({MANIFEST}) nor a prepare-data folder")
+    for flag, path in (("--draft-vocab", cfg.draft_vocab), ("--init-from", cfg.init_from),
+                       ("--eval-data", cfg.eval_data), ("--draft-config", cfg.draft_config)):
+        if path and not os.path.exists(path):
+            raise UserError(f"{flag} {path}: no such file or folder")
+    check_run_folder(cfg)
+
+
 def run_train(args) -> int:
     from .loop import Trainer
     cfg = train_config(args)
+    check_inputs(cfg)
+    if args.check_only:
+        print(f"train: inputs ok ({cfg.data} -> {cfg.out})")
+        return 0
     try:
         Trainer(cfg).run()
     except ValueError as e:                 # bad shapes / sizes found during setup: one line, no traceback

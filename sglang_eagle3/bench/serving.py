@@ -1,0 +1,298 @@
+"""Serving benchmark: one OpenAI-API client for our server and for SGLang's, a sweep over concurrency.
+
+For each concurrency level and each server (e.g. vanilla and EAGLE-3), the same requests (eval prompts
+through the chat API, streaming, greedy by default) are sent with that many in flight; measured: output
+tokens/s and requests/s over the level's wall time, time to first token and inter-token latency (p50, p99;
+ITL = gaps between streamed chunks, divided among the tokens a chunk carries, as a speculative server sends
+several tokens at once), and the acceptance length the server reports (our `spec_stats`; SGLang's
+/server_info when that is what is running). Levels alternate between the servers to spread drift.
+
+--start builtin launches our server twice (vanilla: no draft; EAGLE-3: the draft with its speculation
+profile) on free local ports, runs the sweep and stops them. Outputs JSON, a Markdown table and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from . import report
+
+DEFAULT_LEVELS = "1,2,4,8,16,32,64"
+
+
+def percentile(xs: list[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                      ignore_eos: bool) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    first, last, gaps, chunks, usage, spec = None, None, [], 0, None, None
+    async with client.stream("POST", url + "/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")[:300]
+            return {"ok": False, "status": r.status_code, "error": text}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            now = time.perf_counter()
+            if msg.get("usage"):
+                usage = msg["usage"]
+            if msg.get("spec_stats"):
+                spec = msg["spec_stats"]
+            ch = (msg.get("choices") or [{}])[0]
+            if (ch.get("delta") or {}).get("content"):
+                chunks += 1
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    end = time.perf_counter()
+    tokens = (usage or {}).get("completion_tokens", chunks)
+    # tokens after the first chunk arrive in (chunks - 1) gaps: spread them evenly over the gaps
+    per_gap = (tokens - 1) / len(gaps) if gaps and tokens > 1 else 1.0
+    return {"ok": True, "tokens": tokens, "ttft": (first or end) - t0, "latency": end - t0,
+            "itl": [g / per_gap for g in gaps for _ in range(1)], "spec": spec}
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n: int, max_tokens: int,
+                    temperature: float, ignore_eos: bool, timeout: float) -> dict:
+    import httpx
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async def go(i):
+            async with sem:
+                return await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, temperature,
+                                         ignore_eos)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[go(i) for i in range(n)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    itl = [g for r in ok for g in r["itl"]]
+    ttft = [r["ttft"] for r in ok]
+    specs = [r["spec"] for r in ok if r["spec"]]
+    accept = report.safe_div(sum(s["accept_length"] * s["verify_steps"] for s in specs),
+                             sum(s["verify_steps"] for s in specs)) if specs else None
+    return {"concurrency": concurrency, "requests": n, "completed": len(ok), "failed": n - len(ok),
+            "errors": sorted({f"{r['status']}: {r['error'][:80]}" for r in results if not r["ok"]})[:3],
+            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "requests_per_s": len(ok) / wall, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99), "accept_length": accept}
+
+
+def server_model(url: str) -> str:
+    import httpx
+    return httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+
+
+# ---- our servers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`eagle3 serve --engine builtin` in a subprocess, up until stopped."""
+
+    def __init__(self, args: list[str], log_path: str):
+        import httpx
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        exe = os.path.join(os.path.dirname(sys.executable), "eagle3")
+        cmd = [exe if os.path.exists(exe) else "eagle3", "serve", "--engine", "builtin", "--port", str(self.port), *args]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited (rc={self.proc.returncode}); see {log_path}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not start within 10 min; see {log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+def table(result: dict) -> str:
+    names = [s["name"] for s in result["servers"]]
+    base = names[0]
+    head = ["concurrency"] + [f"{n} tok/s" for n in names] + ([f"{names[1]}/{base}"] if len(names) > 1 else []) + \
+        [f"{n} req/s" for n in names] + [f"{n} TTFT p50/p99 ms" for n in names] + \
+        [f"{n} ITL p50/p99 ms" for n in names] + [f"{names[-1]} accept len"]
+    rows = []
+    for c in result["concurrency"]:
+        lv = {n: result["levels"][n][str(c)] for n in names}
+        ms = lambda a, b: f"{a * 1e3:.0f} / {b * 1e3:.0f}" if a is not None and b is not None else "-"  # noqa: E731
+        row = [str(c)] + [f"{lv[n]['output_tokens_per_s']:.1f}" for n in names]
+        if len(names) > 1:
+            row.append(f"{report.safe_div(lv[names[1]]['output_tokens_per_s'], lv[base]['output_tokens_per_s']):.2f}x")
+        row += [f"{lv[n]['requests_per_s']:.2f}" for n in names]
+        row += [ms(lv[n]["ttft_p50_s"], lv[n]["ttft_p99_s"]) for n in names]
+        row += [ms(lv[n]["itl_p50_s"], lv[n]["itl_p99_s"]) for n in names]
+        acc = lv[names[-1]]["accept_length"]
+        row.append(f"{acc:.2f}" if acc else "-")
+        rows.append(row)
+    return report.format_table(head, rows)
+
+
+def plot(result: dict, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    cs = result["concurrency"]
+    for s in result["servers"]:
+        lv = [result["levels"][s["name"]][str(c)] for c in cs]
+        ax[0].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=s["name"])
+        ax[1].plot(cs, [(x["ttft_p50_s"] or 0) * 1e3 for x in lv], "o-", label=f"{s['name']} p50")
+        ax[1].plot(cs, [(x["ttft_p99_s"] or 0) * 1e3 for x in lv], "x--", label=f"{s['name']} p99")
+        ax[2].plot(cs, [(x["itl_p50_s"] or 0) * 1e3 for x in lv], "o-", label=f"{s['name']} p50")
+        ax[2].plot(cs, [(x["itl_p99_s"] or 0) * 1e3 for x in lv], "x--", label=f"{s['name']} p99")
+    for a, t in zip(ax, ["output tokens/s", "time to first token (ms)", "inter-token latency (ms)"]):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrency")
+        a.set_title(t)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.suptitle(result.get("title", "serving benchmark"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                   help="a running OpenAI-compatible server, e.g. vanilla=http://127.0.0.1:30000/v1 (repeatable; "
+                        "the first is the baseline)")
+    p.add_argument("--start", choices=["builtin"], default=None,
+                   help="start our server twice (vanilla and EAGLE-3) for the sweep, then stop them")
+    p.add_argument("--target", default="testbed")
+    p.add_argument("--draft", default=None, help="with --start: the draft (default: the shipped one)")
+    p.add_argument("--profile", default=None, help="with --start: speculation profile (default: the draft's own)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-running", type=int, default=32, help="with --start: the servers' running-batch limit")
+    p.add_argument("--data", default=None)
+    p.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,alpaca,sum")
+    p.add_argument("--concurrency", default=DEFAULT_LEVELS)
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", default="results/bench_serving.json")
+    return p
+
+
+def load_prompt_texts(data: Optional[str], datasets: str) -> list[str]:
+    from ..prompts import data_dir, load_prompts
+    from .acceptance import resolve_sets
+    sets = resolve_sets(datasets.split(","), data or data_dir())
+    per = [[t[0] for t in load_prompts(path)] for path in sets.values()]
+    return [p for group in zip(*per) for p in group]                     # interleave the sets
+
+
+def run(argv=None) -> int:
+    from ..cli import UserError
+    a = build_parser().parse_args(argv)
+    try:
+        levels = [int(x) for x in a.concurrency.split(",")]
+    except ValueError:
+        raise UserError(f"--concurrency must be comma-separated integers, got {a.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise UserError("--concurrency levels must be >= 1")
+    if bool(a.url) == bool(a.start):
+        raise UserError("give --url NAME=URL (one or more running servers) or --start builtin")
+    prompts = load_prompt_texts(a.data, a.datasets)
+    servers, started = [], []
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    try:
+        if a.start:
+            common = ["--target", a.target, "--dtype", a.dtype, "--batch-size", str(a.max_running)]
+            van = LocalServer([*common, "--draft", "none"], report.sibling(a.out, ".vanilla.log"))
+            started.append(van)
+            spec_args = [*common] + (["--draft", a.draft] if a.draft else []) + \
+                (["--profile", a.profile] if a.profile else [])
+            eagle = LocalServer(spec_args, report.sibling(a.out, ".eagle3.log"))
+            started.append(eagle)
+            servers = [{"name": "vanilla", "url": van.url}, {"name": "EAGLE-3", "url": eagle.url}]
+        else:
+            for item in a.url:
+                name, _, url = item.partition("=")
+                if not url:
+                    raise UserError(f"--url {item!r}: expected NAME=URL")
+                servers.append({"name": name, "url": url.rstrip("/")})
+        for s in servers:
+            s["model"] = server_model(s["url"])
+        result = {"format": "sglang_eagle3.bench_serving/1", "servers": servers, "concurrency": levels,
+                  "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,
+                  "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
+                  "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
+                           f", max_tokens {a.max_tokens}, T={a.temperature:g}"}
+        for s in servers:                                                   # warm-up
+            asyncio.run(run_level(s["url"], s["model"], prompts, 2, 2, 8, a.temperature, False, a.timeout))
+        for c in levels:
+            n = a.requests or max(16, 2 * c)
+            order = servers if levels.index(c) % 2 == 0 else servers[::-1]
+            for s in order:
+                lv = asyncio.run(run_level(s["url"], s["model"], prompts, c, n, a.max_tokens, a.temperature,
+                                           a.ignore_eos, a.timeout))
+                result["levels"][s["name"]][str(c)] = lv
+                print(f"{s['name']:>10} concurrency {c:>3}: {lv['output_tokens_per_s']:8.1f} tok/s, "
+                      f"{lv['completed']}/{lv['requests']} ok, accept {lv['accept_length'] or 0:.2f}",
+                      file=sys.stderr, flush=True)
+            report.write_json_atomic(a.out, result)
+    finally:
+        for srv in started:
+            srv.stop()
+    text = f"{result['title']}\n\n{table(result)}\n"
+    if len(servers) > 1:
+        ratios = [report.safe_div(result["levels"][servers[1]["name"]][str(c)]["output_tokens_per_s"],
+                                  result["levels"][servers[0]["name"]][str(c)]["output_tokens_per_s"]) for c in levels]
+        text += (f"\n{servers[1]['name']} / {servers[0]['name']} output tokens/s: min {min(ratios):.2f}x, "
+                 f"max {max(ratios):.2f}x over concurrency {levels[0]}..{levels[-1]}\n")
+    md = report.write_text_atomic(report.sibling(a.out, ".md"), text)
+    png = plot(result, report.sibling(a.out, ".png"))
+    print(text)
+    print(f"wrote {os.path.abspath(a.out)}\n      {md}\n      {png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from . import run_cli
+    return run_cli("bench_serving", run, argv, extra_errors=(RuntimeError,))
