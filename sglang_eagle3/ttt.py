@@ -135,9 +135,9 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
     """last_hidden [B, T, Ht] (post final norm) -> (p [B, T, Vd] softmax over the draft vocab, top [B, T] target ids)."""
     w = lm_head.weight
-    logits = lm_head(last_hidden.to(w.dtype))
-    logits = logits.to(_wide(logits.dtype))                      # [B, T, V]
-    return logits[..., draft_ids].softmax(-1), logits.argmax(-1)
+    logits = lm_head(last_hidden.to(w.dtype))                    # [B, T, V] (bf16 under autocast)
+    top = logits.argmax(-1)                                      # a cast to fp32 is exact: same argmax
+    return logits[..., draft_ids].to(_wide(logits.dtype)).softmax(-1), top
 
 
 def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Tensor:
@@ -155,13 +155,14 @@ def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Ten
 def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: Optional[torch.Tensor],
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
-                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1) -> TTTOutput:
+                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
     last_hidden [B, T, Ht] after the target's final norm; lm_head: the target's (frozen).
     features="top" feeds last_hidden instead of the fused aux features (the draft's fc must read Ht).
     feature_loss_weight > 0 adds smooth-L1(step-0 draft hidden at t, target last hidden at t+1).
+    fused_ce: the one-pass soft cross-entropy (False: log_softmax, multiply, sum; same values, slower).
     loss_mask_offset: step k at base position t is scored where loss_mask[t + k + offset] is set. 1 (ours):
     the mask of the position whose target distribution is learned, i.e. exactly the chains the engine drafts
     after an accepted assistant token; 0: the EAGLE-3 authors' and SpecForge's convention (one earlier).
@@ -194,7 +195,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             continue
         h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
         logits = draft.compute_logits(h)                                   # [B, n, Vd]
-        ce = soft_cross_entropy(logits, p_all[:, k + 1:])                  # [B, n]
+        if fused_ce:
+            ce = soft_cross_entropy(logits, p_all[:, k + 1:])              # [B, n]
+        else:
+            ce = -(p_all[:, k + 1:] * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
         m = (valid[:, off:off + n] & in_vocab[:, k + 1:]).float()          # positions this step's loss scores
         loss_k = (ce * m).sum() / m.sum().clamp(min=1.0)

@@ -88,3 +88,100 @@ def test_real_smollm2_greedy_matches_transformers(smollm2_path, tmp_path, capsys
         ids = ids if torch.is_tensor(ids) else ids["input_ids"]
         ref = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
         assert o["token_ids"] == ref
+
+
+def last_line(capsys) -> str:
+    """The error line (model loading may print progress bars before it); exactly one error line."""
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+# ---- issue: defaults that mislead, reruns that destroy work, tracebacks -------------------------------------
+def test_generate_uses_the_shipped_draft_for_the_embedded_target(capsys, smollm2_path):
+    from sglang_eagle3.generate_cli import shipped_draft
+    if shipped_draft() is None:
+        pytest.skip("no shipped draft in this checkout")
+    assert main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["draft"] == shipped_draft()                     # not "none": the help promises the shipped draft
+    assert main(["generate", "--target", "testbed", "--prompt", "Hi", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft"] == shipped_draft()
+
+
+def test_init_draft_refuses_a_non_empty_folder(folders, tmp_path, capsys):
+    target, draft, _ = folders
+    out = tmp_path / "d"
+    assert main(["init-draft", "--target", target, "--out", str(out), "--draft-vocab-size", "48"]) == 0
+    (out / "README.md").write_text("a trained draft")
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["init-draft", "--target", target, "--out", str(out), "--draft-vocab-size", "48", "--seed", "5"]) == 2
+    assert "not empty" in capsys.readouterr().err and (out / "model.safetensors").read_bytes() == before
+    assert main(["init-draft", "--target", target, "--out", str(out), "--draft-vocab-size", "48", "--seed", "5",
+                 "--force"]) == 0
+    assert not (out / "README.md").exists() and (out / "model.safetensors").read_bytes() != before
+
+
+def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path, capsys):
+    from conftest import save_tiny_model_folder
+    target = save_tiny_model_folder(tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    long = " ".join(["w5"] * 100)
+    assert main(["generate", "--target", target, "--draft", "none", "--prompt", long, "--max-new-tokens", "4"]) == 2
+    err = last_line(capsys)
+    assert "prompt of 100 tokens" in err and "context of 64 tokens" in err
+    assert main(["generate", "--target", target, "--draft", "none", "--prompt", " ".join(["w5"] * 50),
+                 "--max-new-tokens", "30"]) == 2                 # prompt + max_new_tokens over the context too
+    assert "exceeds the target's context" in last_line(capsys)
+    assert main(["generate", "--target", target, "--draft", "none", "--prompt", long, "--max-new-tokens", "4",
+                 "--truncate-prompt", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("case", ["empty-prompt", "missing-target", "truncated-draft", "bad-draft-config",
+                                  "nan-draft", "shifted-d2t", "empty-stop", "file-as-target"])
+def test_bad_inputs_are_one_line_errors(case, folders, tmp_path, capsys):
+    import shutil
+    from conftest import edit_tensors
+    target, draft, _ = folders
+    d = tmp_path / "draft"
+    shutil.copytree(draft, d)
+    args = ["generate", "--target", target, "--draft", str(d), "--prompt", "w1 w2", "--max-new-tokens", "3"]
+    if case == "empty-prompt":
+        args[args.index("--prompt") + 1] = ""
+        phrase = "--prompt is empty"
+    elif case == "missing-target":
+        args[2] = str(tmp_path / "no" / "such" / "target")
+        phrase = "no such folder"
+    elif case == "file-as-target":
+        args[2] = str(d / "config.json")
+        phrase = "is a file"
+    elif case == "truncated-draft":
+        w = d / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:1000])
+        phrase = "unreadable safetensors file"
+    elif case == "bad-draft-config":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["num_attention_heads"] = "four"
+        (d / "config.json").write_text(json.dumps(cfg))
+        phrase = "config.json"
+    elif case == "nan-draft":
+        edit_tensors(str(d), lambda s: s["fc.weight"].fill_(float("nan")))
+        phrase = "fc.weight holds NaN"
+    elif case == "shifted-d2t":
+        edit_tensors(str(d), lambda s: s["d2t"].add_(1))
+        phrase = "d2t"
+    else:
+        args += ["--stop", ""]
+        phrase = "stop strings must be non-empty"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert phrase in err.strip().splitlines()[-1], err
+    if case in ("truncated-draft", "nan-draft"):
+        with pytest.raises(Exception):                          # --debug: the traceback
+            main(["--debug", *args])

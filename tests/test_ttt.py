@@ -214,3 +214,14 @@ def test_loss_mask_conventions_differ():
     assert abs(float(ours) - float(theirs)) > 1e-6
     with pytest.raises(ValueError, match="loss_mask_offset"):
         efficient(draft, lm_head, d, loss_mask_offset=2)
+
+
+def test_fused_cross_entropy_equals_the_plain_formula():
+    draft, lm_head, d = make_setup()
+    a = efficient(draft, lm_head, d)
+    ga = grads(draft, a.loss)
+    b = efficient(draft, lm_head, d, fused_ce=False)
+    gb = grads(draft, b.loss)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-10, atol=1e-12)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-8, atol=1e-10)

@@ -1,0 +1,158 @@
+"""Trainer throughput: one TTT optimizer step on real rows, fp32 vs bf16 autocast measured alternately.
+
+Rows come from a prepare-data folder; the target computes their features once, up front (what a dump holds),
+so only the trainer's own work is timed: the TTT forward and backward over `ttt_length` steps and the AdamW
+step. Reported: tokens/s per precision (median over alternated rounds), model FLOP/s against the matmul peak
+measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
+configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from . import report
+
+
+def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def ttt_flops(cfg, T: int, K: int, vocab: int) -> float:
+    """Model FLOPs of one TTT row of T tokens (forward + backward = 3x forward for trained weights; the
+    target's full-vocabulary head, forward only)."""
+    H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layer = 2 * H * (nH + 2 * nKV) * D + nH * D * H + 3 * H * I + H * Vd     # per token, multiply-adds
+    total = 2 * T * cfg.target_hidden_size * vocab                          # target distribution
+    total += 3 * 2 * T * cfg.num_aux * cfg.target_hidden_size * H          # fc, once
+    for k in range(K):
+        n = T - k - 1
+        if n <= 0:
+            break
+        attn = 2 * 2 * n * (n / 2 + k) * nH * D                            # scores + weighted sum (causal + diag)
+        total += 3 * (2 * n * layer + attn)
+    return total
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="testbed")
+    p.add_argument("--data", required=True, help="prepare-data folder (token rows)")
+    p.add_argument("--rows", type=int, default=6, help="rows per round")
+    p.add_argument("--min-len", type=int, default=400)
+    p.add_argument("--max-len", type=int, default=900)
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds per precision")
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--profile", action="store_true", help="also profile the before/after configurations")
+    p.add_argument("--out", default="results/bench_trainer.json")
+    return p
+
+
+def run(argv=None) -> int:
+    from ..cli import UserError
+    from ..config import Eagle3Config
+    from ..draft import Eagle3DraftModel
+    from ..hidden_dump import load_token_rows
+    from ..target import TargetModel
+    from ..testbed import resolve_target
+    from ..ttt import ttt_forward
+    a = build_parser().parse_args(argv)
+    torch.set_num_threads(a.threads)
+    rows = [r for r in load_token_rows(a.data) if a.min_len <= len(r[0]) <= a.max_len][:a.rows]
+    if len(rows) < a.rows:
+        raise UserError(f"--data {a.data}: fewer than {a.rows} rows of {a.min_len}..{a.max_len} tokens")
+    tm = TargetModel.from_pretrained(resolve_target(a.target), dtype=torch.bfloat16)
+    cfg = Eagle3Config.for_target(tm.hf_config, 8192)
+    torch.manual_seed(0)
+    draft = Eagle3DraftModel(cfg)
+    draft.set_vocab_mapping(torch.arange(8192))
+    draft.set_embedding(tm.embed_tokens)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-5)
+    feats = []
+    for ids, mask in rows:
+        x = torch.from_numpy(ids).long()[None]
+        aux, last = tm.features(x)
+        feats.append((x, torch.from_numpy(mask.astype(np.int64))[None], aux, last))
+    tokens = sum(f[0].shape[1] for f in feats)
+    flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size) for f in feats)
+    configs = {"fp32 (before)": (False, False), "fp32": (False, True), "bf16 autocast (after)": (True, True)}
+
+    def one_round(autocast: bool, fused: bool) -> float:
+        t0 = time.perf_counter()
+        for x, m, aux, last in feats:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for ac, fu in configs.values():                                      # warm-up
+        one_round(ac, fu)
+    times = {name: [] for name in configs}
+    for _ in range(a.rounds):
+        for name, (ac, fu) in configs.items():                           # alternated
+            times[name].append(one_round(ac, fu))
+    peak = {"bfloat16": matmul_peak_gflops(torch.bfloat16), "float32": matmul_peak_gflops(torch.float32)}
+    result = {"format": "sglang_eagle3.bench_trainer/1", "rows": len(feats), "tokens_per_round": tokens,
+              "ttt_length": a.ttt_length, "threads": a.threads, "model_gflop_per_round": flops / 1e9,
+              "matmul_peak_gflops": peak, "configs": {}, "meta": report.run_metadata()}
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        dt = "bfloat16" if "bf16" in name else "float32"
+        result["configs"][name] = {"tokens_per_s": tokens / t, "gflops": flops / t / 1e9,
+                                   "fraction_of_peak": flops / t / 1e9 / peak[dt], "seconds": ts}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        result["profile"] = {}
+        for name in ("fp32 (before)", "bf16 autocast (after)"):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                one_round(*configs[name])
+            top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+            result["profile"][name] = [{"op": e.key, "self_ms_per_row": e.self_cpu_time_total / 1e3 / len(feats),
+                                        "calls": e.count} for e in top]
+    report.write_json_atomic(a.out, result)
+    text = render(result)
+    print(text)
+    md = report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
+    print(f"wrote {os.path.abspath(a.out)}\n      {md}")
+    return 0
+
+
+def render(r: dict) -> str:
+    rows = [[name, f"{c['tokens_per_s']:.0f}", f"{c['gflops']:.0f}", f"{100 * c['fraction_of_peak']:.0f}%"]
+            for name, c in r["configs"].items()]
+    out = [f"TTT training step ({r['rows']} rows, {r['tokens_per_round']} tokens per round, {r['ttt_length']} steps, "
+           f"{r['threads']} threads), median of alternated rounds; matmul peak bf16 "
+           f"{r['matmul_peak_gflops']['bfloat16']:.0f} GFLOP/s, fp32 {r['matmul_peak_gflops']['float32']:.0f} GFLOP/s",
+           report.format_table(["configuration", "tokens/s", "model GFLOP/s", "of peak"], rows)]
+    for name, ops in (r.get("profile") or {}).items():
+        out += ["", f"Top ops, {name} (ms per row)",
+                report.format_table(["op", "ms/row", "calls"], [[o["op"], f"{o['self_ms_per_row']:.1f}", o["calls"]]
+                                                                for o in ops])]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    from . import run_cli
+    return run_cli("bench_trainer", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
