@@ -54,6 +54,17 @@ def load_draft(path: str, dtype, device="cpu"):
                         f"{e})") from None
 
 
+def add_compile_arg(p) -> None:
+    p.add_argument("--compile", choices=["auto", "off"], default="auto",
+                   help="auto (default): the compiled CPU path (oneDNN-prepacked bf16 linears, the C++ attention and "
+                        "norm kernels built at install); off: plain eager PyTorch (the reference)")
+
+
+def apply_compile_arg(args) -> None:
+    from . import kernels
+    kernels.set_mode(getattr(args, "compile", "auto") or "auto")
+
+
 def add_spec_args(p) -> None:
     g = p.add_argument_group("draft tree (SGLang semantics)")
     g.add_argument("--num-steps", type=int, default=5, help="tree depth (default %(default)s)")
@@ -85,6 +96,7 @@ def add_cli(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
     add_spec_args(p)
+    add_compile_arg(p)
     p.set_defaults(func=run_generate)
 
     q = sub.add_parser("init-draft", help="write a randomly initialised EAGLE-3 draft for a target")
@@ -99,6 +111,7 @@ def add_cli(sub) -> None:
 
 def run_generate(a) -> int:
     from .verify import SamplingParams
+    apply_compile_arg(a)
     if a.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {a.batch_size}")
     try:

@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("builtin engine")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16")
     g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 503")
+    g.add_argument("--compile", choices=["auto", "off"], default="auto",
+                   help="auto: the compiled CPU kernels (default); off: eager PyTorch")
     g.add_argument("--max-len", type=int, default=None,
                    help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
     p.add_argument("--profile", default=None, help='tuned tree shapes: {"per_batch_size": {"1": {"num_steps": .., '
@@ -224,6 +226,8 @@ def serve_builtin(args, extra: list[str]) -> int:
                     ("--port", args.port)):
         if v is not None and v < 1:
             raise UserError(f"{flag} must be >= 1, got {v}")
+    from . import kernels
+    kernels.set_mode(args.compile)
     target = resolve_target(args.target)
     draft = default_draft(args)
     profile = None

@@ -176,7 +176,7 @@ def plot_histograms(result: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import DTYPES, add_spec_args
+    from ..generate_cli import DTYPES, add_compile_arg, add_spec_args
     from ..prompts import data_dir
     p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="ignore sets already in --out (default: resume them "
                                                        "when the run settings match)")
     add_spec_args(p)
+    add_compile_arg(p)
     return p
 
 
@@ -203,7 +204,7 @@ def _config(a, target: str, draft: str) -> dict:
     """The settings a stored set must share to be reused (the list of sets may grow)."""
     return {"target": target, "draft": draft, "dtype": a.dtype, "temperature": a.temperature,
             "seed": a.seed if a.temperature > 0 else None, "n": a.n, "max_new_tokens": a.max_new_tokens,
-            "ignore_eos": a.ignore_eos,
+            "ignore_eos": a.ignore_eos, "compile": a.compile,
             "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens}}
 
 
@@ -226,11 +227,12 @@ def run(argv=None) -> int:
     from ..cli import UserError
     from ..config import SpecConfig
     from ..engine import SpeculativeEngine
-    from ..generate_cli import load_engine, resolve_target, shipped_draft
+    from ..generate_cli import apply_compile_arg, load_engine, resolve_target, shipped_draft
     from ..prompts import load_prompts
     from ..verify import SamplingParams
 
     a = build_parser().parse_args(argv)
+    apply_compile_arg(a)
     if a.n < 1:
         raise UserError(f"--n must be >= 1, got {a.n}")
     if a.threads:

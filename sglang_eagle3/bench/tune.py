@@ -21,7 +21,7 @@ import sys
 
 from . import report, run_cli
 
-PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
+from ..config import PROFILE_FORMAT  # noqa: E402
 GRID_FORMAT = "sglang_eagle3.tune_grid/1"
 ADAPTIVE_NOTE = (
     "SGLang 0.5.23 --speculative-adaptive-config: integer batch-size keys, each with candidate_steps; a batch "
@@ -165,32 +165,15 @@ def launch_flags(best: dict, adaptive_path: str | None, adaptive: dict | None) -
 
 
 def load_profile(path: str, batch_size: int):
-    """The tree to use at batch_size (SpecConfig), or None for vanilla decoding.
-
-    A batch size without its own entry uses the largest measured one below it (the smallest above it
-    if none is below), the same routing SGLang applies to its adaptive config."""
-    from ..config import ConfigError, SpecConfig
+    """The tree to use at batch_size (SpecConfig), or None for vanilla decoding (config.SpecProfile's routing:
+    a batch size without its own entry uses the largest measured one below it, else the smallest above)."""
+    from ..config import ConfigError, SpecProfile
     if not os.path.isfile(path):
         raise FileNotFoundError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
     try:
-        prof = report.read_json(path)
-    except ValueError as e:
+        return SpecProfile.load(path).for_batch_size(batch_size)
+    except ConfigError as e:
         raise ProfileError(str(e)) from None
-    table = prof.get("per_batch_size") if isinstance(prof, dict) else None
-    if not isinstance(table, dict) or not table or not all(str(k).isdigit() for k in table):
-        raise ProfileError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
-    if batch_size < 1:
-        raise ProfileError(f"batch_size must be >= 1, got {batch_size}")
-    keys = sorted(int(k) for k in table)
-    below = [k for k in keys if k <= batch_size]
-    key = str(below[-1] if below else keys[0])
-    entry = table[key]
-    if entry is None or (isinstance(entry, dict) and entry.get("speculation") is False):
-        return None
-    try:
-        return SpecConfig(int(entry["num_steps"]), int(entry["topk"]), int(entry["num_draft_tokens"]))
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
-        raise ProfileError(f"{path}: per_batch_size[{key}]: not a valid tree ({e})") from None
 
 
 # ---- outputs ---------------------------------------------------------------------------------
