@@ -33,6 +33,7 @@ def parser():
     ap.add_argument("--draft", default=None, help="trained draft for the tree part (default: the shipped one)")
     ap.add_argument("--data", default=data_dir())
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU path: CUDA graphs vs eager)")
     ap.add_argument("--n", type=int, default=6, help="MT-bench first turns for the speed part (batch 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -63,9 +64,10 @@ def run(argv=None) -> int:
     target = resolve_target(a.target)
     draft = a.draft or shipped_draft()
     prompts, mixed = D.eval_prompts(a.data, max(a.n, a.tree_prompts), a.divergence_prompts)
-    res = {"meta": {**run_metadata(), "target": target, "draft": draft, "dtype": a.dtype, "threads": a.threads,
+    res = {"meta": {**run_metadata(), "target": target, "draft": draft, "dtype": a.dtype, "device": a.device,
+                    "threads": a.threads,
                     "args": vars(a)}}
-    rt = D.Runtimes(target, a.dtype) if set(parts) - {"divergence", "llamacpp"} else None
+    rt = D.Runtimes(target, a.dtype, a.device) if set(parts) - {"divergence", "llamacpp"} else None
     if rt is not None:
         res["extension"] = {"built": rt.extension_ready, "load_s": rt.extension_load_s, **D.kernels.status()}
 

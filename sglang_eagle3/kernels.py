@@ -174,6 +174,8 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, rows, lens, write_start, n
     if ext is not None and _use_ext(k_cache, v_cache) and q.dtype == k_cache.dtype:
         return ext.tree_attention(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_cache, v_cache,
                                   rows, lens, write_start, new_mask.contiguous(), scale)
+    if k_cache.is_cuda:
+        return tree_attention_static(q, k_new, v_new, k_cache, v_cache, rows, lens, write_start, new_mask, scale)
     return tree_attention_ref(q, k_new, v_new, k_cache, v_cache, rows, lens, write_start, new_mask, scale)
 
 
@@ -188,7 +190,7 @@ def qkv_attention(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_cache, v_c
         return ext.qkv_attention(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens, write_start,
                                  new_mask.contiguous(), scale)
     return qkv_attention_ref(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens, write_start,
-                             new_mask, scale)
+                             new_mask, scale, attention=tree_attention_static if k_cache.is_cuda else None)
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
@@ -208,13 +210,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qkv_attention_ref(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens, write_start, new_mask,
-                      scale):
+                      scale, attention=None):
     B, T, _ = qkv.shape
     q, k, v = (x.transpose(1, 2) for x in split_heads(qkv, num_heads, num_kv_heads))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    o = tree_attention_ref(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k_cache, v_cache, rows, lens,
+    o = (attention or tree_attention_ref)(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k_cache, v_cache, rows, lens,
                            write_start, new_mask, scale)
     return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def tree_attention_static(q, k_new, v_new, k_cache, v_cache, rows, lens, write_start, new_mask, scale: float):
+    """tree_attention with shapes that depend only on the pool (no host sync): every row attends over the whole
+    KV window with a mask from its length, through SDPA. What CUDA graphs capture on GPUs."""
+    B, nH, T, D = q.shape
+    S, F_ = k_cache.shape[2], new_mask.shape[2]
+    slot = write_start.view(B, 1) + torch.arange(T, device=q.device).view(1, T)            # [B, T]
+    r = rows.view(B, 1).expand(B, T)
+    k_cache[r, :, slot] = k_new.transpose(1, 2)
+    v_cache[r, :, slot] = v_new.transpose(1, 2)
+    rel = torch.arange(S, device=q.device).view(1, 1, S) - lens.view(B, 1, 1)               # slot - committed
+    seen = torch.gather(new_mask, 2, rel.clamp(0, max(F_ - 1, 0)).expand(B, T, S)) & (rel >= 0) & (rel < F_)
+    mask = ((rel < 0) | seen).unsqueeze(1)                                                  # [B, 1, T, S]
+    return F.scaled_dot_product_attention(q, k_cache[rows], v_cache[rows], attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
 
 
 def tree_attention_ref(q, k_new, v_new, k_cache, v_cache, rows, lens, write_start, new_mask, scale: float):

@@ -39,7 +39,10 @@ class KVPool:
         self.lens[rows] = 0
 
     def check_room(self, rows: torch.Tensor, extra: int) -> None:
-        """Raise if a forward writing `extra` slots past the committed ones would run off a row."""
+        """Raise if a forward writing `extra` slots past the committed ones would run off a row (skipped while a
+        CUDA graph is being captured: it reads lengths on the host; the scheduler bounds lengths anyway)."""
+        if self.k.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
         need = int(self.lens[rows].max()) + extra if rows.numel() else 0
         if need > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots per row is full (needs {need}); raise max_len")

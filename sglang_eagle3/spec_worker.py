@@ -54,11 +54,19 @@ class StepResult:
 
 
 class SpecWorker:
-    def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0):
+    def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0,
+                 cuda_graphs: Optional[bool] = None):
         self.target, self.draft = target, draft
         dev, dtype = target.device, target.dtype
         self.num_rows, self.max_len = num_rows, max_len
-        self.tpool = target.new_cache(num_rows, max_len)
+        from . import kernels
+        use_graphs = (dev.type == "cuda" and kernels.mode() != "off") if cuda_graphs is None else cuda_graphs
+        # on CUDA one extra pool row pads batches up to a captured graph's bucket (cuda_graphs.py)
+        self.tpool = target.new_cache(num_rows + (1 if use_graphs else 0), max_len)
+        self.graphs = None
+        if use_graphs:
+            from .cuda_graphs import CudaGraphRunner
+            self.graphs = CudaGraphRunner(target, self.tpool, spare_row=num_rows, want_aux=draft is not None)
         self.roots = torch.zeros(num_rows, dtype=torch.long, device=dev)        # last verified token per row
         self.root_pos = torch.zeros(num_rows, dtype=torch.long, device=dev)     # its position
         self.dpool = None
@@ -120,8 +128,10 @@ class SpecWorker:
             tree = root_only_tree(roots, root_pos)
         t1 = time.perf_counter()
         with record_function("eagle3::verify_forward"):
-            tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
-                             want_aux=self.draft is not None)
+            tv = self.graphs.forward(r, tree.tokens, tree.positions, tree.mask) if self.graphs is not None else None
+            if tv is None:
+                tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
+                                 want_aux=self.draft is not None)
         with record_function("eagle3::accept"):
             acc = accept(tree, tv.logits, params, generators)
             counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync

@@ -133,3 +133,28 @@ def test_unsupported_family_is_refused():
     hf = AutoModelForCausalLM.from_config(tiny_hf_config("gpt2", n_embd=64, n_layer=4, n_head=4))
     with pytest.raises(ConfigError, match="gpt2"):
         TargetModel(hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_attention_equals_the_kernel_and_the_reference(dtype):
+    """The fixed-shape attention (what CUDA graphs capture) against the reference and the CPU kernel."""
+    from sglang_eagle3 import kernels as K
+    torch.manual_seed(0)
+    R, nKV, S, D, nH, B, T, F = 5, 3, 48, 16, 6, 3, 4, 6
+    k0, v0 = torch.randn(R, nKV, S, D, dtype=dtype), torch.randn(R, nKV, S, D, dtype=dtype)
+    q, kn, vn = torch.randn(B, nH, T, D, dtype=dtype), torch.randn(B, nKV, T, D, dtype=dtype), \
+        torch.randn(B, nKV, T, D, dtype=dtype)
+    rows, lens = torch.tensor([4, 0, 2]), torch.tensor([10, 0, 33])
+    ws = lens + torch.tensor([2, 0, 1])
+    m = torch.rand(B, T, F) < 0.5
+    for b in range(B):
+        for t in range(T):
+            m[b, t, int(ws[b] - lens[b]) + t] = True
+    outs = []
+    for fn in (K.tree_attention_ref, K.tree_attention_static, K.tree_attention):
+        kc, vc = k0.clone(), v0.clone()
+        outs.append((fn(q, kn, vn, kc, vc, rows, lens, ws, m, D ** -0.5).float(), kc, vc))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for out, kc, vc in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], rtol=tol, atol=tol)
+        assert torch.equal(kc, outs[0][1]) and torch.equal(vc, outs[0][2])

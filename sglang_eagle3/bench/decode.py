@@ -1,8 +1,8 @@
 """What decides speculative decoding speed on one machine, measured in one process.
 
 Two runtimes on the same weights: `eager` (plain PyTorch: F.linear, torch attention and norms; what
-`--compile off` runs) and `fused` (the default: oneDNN-prepacked bf16 linears and the C++ kernels of
-csrc/cpu_ops.cpp, built once at install). Parts:
+`--compile off` runs) and `fused` (the default: on CPU oneDNN-prepacked bf16 linears and the C++ kernels of
+csrc/cpu_ops.cpp, built once at install; on CUDA the decode/verify forwards replayed as CUDA graphs). Parts:
   speed    batch 1, per prompt alternately: transformers `generate`, ours eager, ours fused (tokens/s);
            llama.cpp's own decode of the same model (llama-bench) when the pinned build is present.
   step     one decode step vs its memory floor (weight bytes / measured read bandwidth), and the cost of one
@@ -50,9 +50,9 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
 class Runtimes:
     """transformers' model and our two runtimes (eager, fused) over the same weights."""
 
-    def __init__(self, target_path: str, dtype_name: str):
+    def __init__(self, target_path: str, dtype_name: str, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[dtype_name]).eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[dtype_name]).to(device).eval()
         tok = AutoTokenizer.from_pretrained(target_path)
         t0 = time.perf_counter()
         self.extension_ready = kernels.extension() is not None
@@ -69,21 +69,25 @@ class Runtimes:
 def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:
     """Median seconds of one target forward over T new tokens per row (a chain) after `context` cached tokens."""
     cache = tm.new_cache(batch, context + T + 1)
-    ids = torch.randint(0, tm.vocab_size, (batch, context))
-    tm(cache, ids, torch.arange(context).expand(batch, -1), want_aux=False)
-    cache.commit_prefix(torch.arange(batch), torch.full((batch,), context))
-    new = torch.randint(0, tm.vocab_size, (batch, T))
-    pos = (context + torch.arange(T)).expand(batch, T)
+    dev = tm.device
+    ids = torch.randint(0, tm.vocab_size, (batch, context), device=dev)
+    tm(cache, ids, torch.arange(context, device=dev).expand(batch, -1), want_aux=False)
+    cache.commit_prefix(torch.arange(batch, device=dev), torch.full((batch,), context, device=dev))
+    new = torch.randint(0, tm.vocab_size, (batch, T), device=tm.device)
+    pos = (context + torch.arange(T, device=tm.device)).expand(batch, T)
+    sync = torch.cuda.synchronize if tm.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(repeats + 2):
+        sync()
         t0 = time.perf_counter()
         tm(cache, new, pos, want_aux=True)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=hf.device)
     out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
 
