@@ -101,9 +101,15 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (decode, verify, draft steps)
+
+
 class PackedLinear:
-    """y = x @ W^T + b with W [N, K]: prepacked for oneDNN when bf16 on a capable CPU (decided when built,
-    so set_mode before loading a model), else F.linear on the weight itself."""
+    """y = x @ W^T + b with W [N, K], decided when built (set_mode before loading a model):
+    bf16 on a CPU with AVX-512 BF16: up to SMALL_M rows, csrc's dot-product kernel over weights packed for it
+    (~44 GB/s at one row on 2 cores, and a row's result does not depend on how many rows come with it);
+    more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
+    Otherwise F.linear on the weight itself."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: Optional[bool] = None):
         weight = weight.detach()
@@ -112,13 +118,20 @@ class PackedLinear:
         if pack is None:
             pack = _mode != "off" and weight.device.type == "cpu" and packing_supported(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if pack else None
-        self.weight = None if pack else weight          # one copy only
+        ext = extension() if pack else None
+        self.small = ext.pack_bf16(weight) if ext is not None and ext.has_bf16_dot() else None
+        self.bias32 = None if self.bias is None else self.bias.float()
+        self.weight = None if pack else weight          # no unpacked copy when packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        if self.small is not None and x2.shape[0] <= SMALL_M and x2.dtype == torch.bfloat16:
+            y = extension().linear_bf16(x2, self.small, self.out_features, self.bias32)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
 

@@ -158,3 +158,22 @@ def test_static_attention_equals_the_kernel_and_the_reference(dtype):
     for out, kc, vc in outs[1:]:
         torch.testing.assert_close(out, outs[0][0], rtol=tol, atol=tol)
         assert torch.equal(kc, outs[0][1]) and torch.equal(vc, outs[0][2])
+
+
+def test_packed_linear_paths_agree():
+    """The few-row AVX-512 BF16 kernel, oneDNN's prepacked path and F.linear give the same products (bf16), and a
+    row's result does not depend on how many rows come with it (decode vs verify)."""
+    import torch.nn.functional as F
+    from sglang_eagle3 import kernels as K
+    torch.manual_seed(0)
+    for N, Kd, bias in ((960, 576, True), (577, 575, False), (64, 1536, False)):
+        w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
+        b = torch.randn(N).to(torch.bfloat16) if bias else None
+        lin = K.PackedLinear(w, b)
+        for M in (1, 5, 16, 40):
+            x = torch.randn(M, Kd).to(torch.bfloat16)
+            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            got = lin(x).float()
+            assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
+            if M > 1 and M <= K.SMALL_M and lin.small is not None:
+                assert torch.equal(lin(x[:1]), lin(x)[:1])                # row-invariant

@@ -54,9 +54,9 @@ inline void store16(at::BFloat16* p, __m512 v) {
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
-// exp for x <= 0 (softmax after subtracting the max): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5]
+// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5]
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_sub_ps(t, n);
@@ -283,6 +283,18 @@ at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at:
 }
 
 namespace {
+#ifdef E3_AVX512
+// v rounded to the storage dtype's precision (kept in fp32 lanes): bf16 round-to-nearest-even, float as is
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const at::BFloat16*) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                               _mm512_set1_epi32((int)0xffff0000));
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+#endif
+
 // out = w * to_dtype(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm; optionally x += residual first
 template <typename E>
 void rms_norm_impl(at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps, at::Tensor& out) {
@@ -295,18 +307,39 @@ void rms_norm_impl(at::Tensor& x, const at::Tensor* residual, const at::Tensor& 
     std::vector<float> xf(H);
     for (int64_t i = begin; i < end; ++i) {
       E* row = xp + i * H;
+      E* orow = op + i * H;
+#ifdef E3_AVX512
+      if (H % 16 == 0) {
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t j = 0; j < H; j += 16) {
+          __m512 v = load16(row + j);
+          if (rp) {
+            v = round_to(_mm512_add_ps(v, load16(rp + i * H + j)), row);   // the residual stays in the storage dtype
+            store16(row + j, v);
+          }
+          _mm512_storeu_ps(xf.data() + j, v);
+          ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(H) +
+                                                         static_cast<float>(eps)));
+        for (int64_t j = 0; j < H; j += 16) {
+          __m512 n = round_to(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + j), r), row);
+          store16(orow + j, _mm512_mul_ps(load16(wp + j), n));
+        }
+        continue;
+      }
+#endif
       float ss = 0.f;
       for (int64_t j = 0; j < H; ++j) {
         float v = to_f(row[j]);
         if (rp) {
-          v = to_f(from_f<E>(v + to_f(rp[i * H + j])));   // the residual stream keeps the storage dtype
+          v = to_f(from_f<E>(v + to_f(rp[i * H + j])));
           row[j] = from_f<E>(v);
         }
         xf[j] = v;
         ss += v * v;
       }
       const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      E* orow = op + i * H;
       for (int64_t j = 0; j < H; ++j) orow[j] = from_f<E>(to_f(wp[j]) * to_f(from_f<E>(xf[j] * r)));
     }
   });
@@ -343,20 +376,151 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   E3_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        for (int64_t j = 0; j < I; ++j) {
-          // as torch: silu rounded to the storage dtype, then the product rounded again
-          const float g = to_f(gp[i * 2 * I + j]);
-          const float s = to_f(from_f<scalar_t>(g / (1.f + std::exp(-g))));
-          op[i * I + j] = from_f<scalar_t>(s * to_f(gp[i * 2 * I + I + j]));
+    at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* g_row = gp + i * 2 * I;
+        const scalar_t* u_row = g_row + I;
+        scalar_t* o_row = op + i * I;
+        int64_t j = 0;
+#ifdef E3_AVX512
+        // as torch: silu rounded to the storage dtype, then the product rounded again
+        for (; j + 16 <= I; j += 16) {
+          const __m512 g = load16(g_row + j);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 s = round_to(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o_row);
+          store16(o_row + j, _mm512_mul_ps(s, load16(u_row + j)));
         }
+#endif
+        for (; j < I; ++j) {
+          const float g = to_f(g_row[j]);
+          const float s = to_f(from_f<scalar_t>(g / (1.f + std::exp(-g))));
+          o_row[j] = from_f<scalar_t>(s * to_f(u_row[j]));
+        }
+      }
     });
   });
   return out;
 }
 
+// ---- bf16 matrix products for few rows (decode, verify, draft): weights packed for AVX-512 BF16 dot products --
+//
+// pack_bf16(W [N, K]) -> P [N/16, K/2, 16, 2]: for output block j and input pair p, the 32 bf16 values
+// W[16j + i, 2p + {0, 1}] (i = 0..15) are one 64-byte vector, so _mm512_dpbf16_ps(acc, P[j, p], x[2p, 2p+1]
+// broadcast) adds both products of the pair into the 16 output lanes of block j: no horizontal sums, weights
+// streamed once per M_TILE rows, fp32 accumulation. N and K are padded to 16 and 2 with zeros.
+#if defined(__AVX512BF16__)
+#define E3_BF16DOT 1
+#endif
+
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: a [N, K] bfloat16 weight");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
+  at::Tensor wc = w.contiguous();
+  at::Tensor out = at::zeros({NB, KP, 16, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = b0; j < b1; ++j)
+      for (int64_t p = 0; p < KP; ++p)
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t n = 16 * j + i;
+          if (n >= N) continue;
+          uint16_t* d = dst + ((j * KP + p) * 16 + i) * 2;
+          d[0] = src[n * K + 2 * p];
+          d[1] = 2 * p + 1 < K ? src[n * K + 2 * p + 1] : 0;
+        }
+  });
+  return out;
+}
+
+namespace {
+#ifdef E3_BF16DOT
+// rows m0..m0+MT of x against output blocks [j0, j1): y[m, 16j..16j+15]
+template <int MT>
+inline void dot_tile(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP, int64_t j0, int64_t j1,
+                     const float* bias, at::BFloat16* y, int64_t N, int64_t m0) {
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 acc[MT];
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+    const __m512bh* wj = P + j * KP;
+    for (int64_t p = 0; p < KP; ++p) {
+      const __m512bh w = wj[p];
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t) {
+        uint32_t pair;
+        std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
+        acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_set1_epi32((int)pair));
+      }
+    }
+    const int64_t n0 = 16 * j, valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; ++t) {
+      __m512 v = _mm512_add_ps(acc[t], b);
+      __m256i h = (__m256i)_mm512_cvtneps_pbh(v);                    // round to nearest even
+      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + (m0 + t) * N + n0), keep, h);
+    }
+  }
+}
+#endif
+}  // namespace
+
+// x [M, K] bf16 @ W^T with W packed by pack_bf16 -> y [M, N] bf16 (fp32 accumulation; bias fp32 or none)
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+#ifdef E3_BF16DOT
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+              packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_bf16: x [M, K] and a packed weight");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == KP && (N + 15) / 16 == NB, "linear_bf16: weight packed for another shape");
+  at::Tensor xc = x.contiguous();
+  if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});
+  const int64_t Kx = xc.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor bf;
+  if (bias && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const __m512bh* P = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, NB, 8, [&](int64_t j0, int64_t j1) {
+    for (int64_t jj = j0; jj < j1; jj += 8) {              // 8 output blocks at a time: their weights stay in L2
+      const int64_t je = std::min(jj + 8, j1);
+      int64_t m0 = 0;
+      for (; m0 + 16 <= M; m0 += 16) dot_tile<16>(xp, Kx, P, KP, jj, je, bp, yp, N, m0);
+      if (M - m0 >= 12) { dot_tile<12>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 12; }
+      if (M - m0 >= 8) { dot_tile<8>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 8; }
+      switch (M - m0) {
+        case 7: dot_tile<7>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 6: dot_tile<6>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 5: dot_tile<5>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 4: dot_tile<4>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 3: dot_tile<3>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 2: dot_tile<2>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 1: dot_tile<1>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear_bf16: this build has no AVX-512 BF16 (compile with -march=native on such a CPU)");
+#endif
+}
+
+bool has_bf16_dot() {
+#ifdef E3_BF16DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16");
+  m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight");
+  m.def("has_bf16_dot", &has_bf16_dot, "built with AVX-512 BF16 dot products");
   m.def("tree_attention", &tree_attention, "attention over a row-indexed KV pool with a tree mask (writes k/v)");
   m.def("qkv_attention", &qkv_attention, "rotary embedding + tree_attention from the fused qkv projection");
   m.def("rms_norm", &rms_norm, "RMSNorm (transformers' rounding)");
