@@ -6,6 +6,7 @@ setup(
     description="Train, serve and benchmark EAGLE-3 speculative decoding drafts (SGLang-compatible).",
     python_requires=">=3.10",
     packages=find_packages(include=["sglang_eagle3", "sglang_eagle3.*"]),
+    package_data={"sglang_eagle3": ["csrc/*.cpp"]},      # compiled on first use (kernels.py) into the cache
     install_requires=[
         "torch>=2.4",
         "transformers>=4.57",
@@ -18,7 +19,7 @@ setup(
     ],
     extras_require={
         "train": ["deepspeed", "datasets", "tensorboard"],
-        "serve": ["fastapi", "uvicorn", "openai"],
+        "serve": ["fastapi", "uvicorn", "openai", "httpx", "psutil"],
         "sglang": ["sglang==0.5.23"],
         "dev": ["pytest", "hypothesis"],
     },
