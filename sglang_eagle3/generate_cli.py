@@ -148,6 +148,8 @@ def run_generate(a) -> int:
 def run_init_draft(a) -> int:
     from transformers import AutoConfig
     from .draft import Eagle3DraftModel
+    if a.draft_vocab_size is not None and a.draft_vocab_size < 1:
+        raise UserError(f"--draft-vocab-size must be >= 1, got {a.draft_vocab_size}")
     if os.path.isdir(a.out) and os.listdir(a.out) and not a.force:
         raise UserError(f"--out {a.out} is not empty (it may hold a trained draft); pass --force to replace its weights")
     target_cfg = AutoConfig.from_pretrained(resolve_target(a.target))

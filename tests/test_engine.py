@@ -176,3 +176,17 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
         assert k > PENDING_MAX
         torch.testing.assert_close(mixed.dpool.k[0, r, :, :k], always.dpool.k[0, r, :, :k], rtol=1e-5, atol=1e-5)
     assert int(mixed.pend_n.sum()) == 0 and torch.equal(mixed.dpool.lens, mixed.tpool.lens)
+
+
+def test_incremental_detokenizer_matches_full_decode(smollm2_path):
+    """Token by token (and in uneven groups, as speculative steps emit them), the streamed text equals the full
+    decode, multi-byte characters split across tokens included."""
+    from transformers import AutoTokenizer
+    from sglang_eagle3.scheduler import IncrementalDetokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    text = "Grüße aus Köln! 你好，世界 🚀🔥 — naïve café, ½ + ¼ = ¾.\n  def f(x):\n\treturn x**2"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for group in (1, 2, 3, 5):
+        d = IncrementalDetokenizer(tok)
+        streamed = "".join(d.push(ids[i:i + group]) for i in range(0, len(ids), group))
+        assert streamed == tok.decode(ids, skip_special_tokens=True) == d.text

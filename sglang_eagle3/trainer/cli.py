@@ -149,6 +149,15 @@ def train_config(args):
     for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    checks = [("--lr", args.lr, args.lr > 0, "> 0"), ("--warmup-ratio", args.warmup_ratio, 0 <= args.warmup_ratio < 1, "in [0, 1)"),
+              ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
+              ("--step-decay", args.step_decay, args.step_decay > 0, "> 0"),
+              ("--grad-clip", args.grad_clip, args.grad_clip > 0, "> 0"), ("--epochs", args.epochs, args.epochs > 0, "> 0"),
+              ("--eval-rows", args.eval_rows, args.eval_rows >= 0, ">= 0"),
+              ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1, ">= 1")]
+    for flag, value, ok, rule in checks:
+        if not ok:
+            raise UserError(f"{flag} must be {rule}, got {value}")
     return TrainConfig(
         target=args.target, data=args.data, out=args.out, eval_data=args.eval_data, eval_rows=args.eval_rows,
         draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
