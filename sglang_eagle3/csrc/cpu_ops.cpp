@@ -471,34 +471,54 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 
 namespace {
 #ifdef E3_BF16DOT
-// rows m0..m0+MT of x against output blocks [j0, j1): y[m, 16j..16j+15]
-template <int MT>
+// rows m0..m0+MT of x against output blocks [j0, j1), NBT blocks at a time: MT x NBT independent accumulator
+// chains hide the dot-product latency (one row alone would otherwise wait on a single chain)
+template <int MT, int NBT>
 inline void dot_tile(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP, int64_t j0, int64_t j1,
                      const float* bias, at::BFloat16* y, int64_t N, int64_t m0) {
-  for (int64_t j = j0; j < j1; ++j) {
-    __m512 acc[MT];
+  int64_t j = j0;
+  for (; j + NBT <= j1; j += NBT) {
+    __m512 acc[NBT][MT];
 #pragma GCC unroll 16
-    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-    const __m512bh* wj = P + j * KP;
+    for (int b = 0; b < NBT; ++b)
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t) acc[b][t] = _mm512_setzero_ps();
     for (int64_t p = 0; p < KP; ++p) {
-      const __m512bh w = wj[p];
+      __m512bh xb[MT];
 #pragma GCC unroll 16
       for (int t = 0; t < MT; ++t) {
         uint32_t pair;
         std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
-        acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_set1_epi32((int)pair));
+        xb[t] = (__m512bh)_mm512_set1_epi32((int)pair);
+      }
+#pragma GCC unroll 16
+      for (int b = 0; b < NBT; ++b) {
+        const __m512bh w = P[(j + b) * KP + p];
+#pragma GCC unroll 16
+        for (int t = 0; t < MT; ++t) acc[b][t] = _mm512_dpbf16_ps(acc[b][t], w, xb[t]);
       }
     }
-    const int64_t n0 = 16 * j, valid = std::min<int64_t>(16, N - n0);
-    const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-    for (int t = 0; t < MT; ++t) {
-      __m512 v = _mm512_add_ps(acc[t], b);
-      __m256i h = (__m256i)_mm512_cvtneps_pbh(v);                    // round to nearest even
-      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + (m0 + t) * N + n0), keep, h);
+    for (int b = 0; b < NBT; ++b) {
+      const int64_t n0 = 16 * (j + b), valid = std::min<int64_t>(16, N - n0);
+      const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t) {
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][t], bv));    // round to nearest even
+        _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + (m0 + t) * N + n0), keep, h);
+      }
     }
   }
+  if (j < j1) dot_tile<MT, 1>(x, K, P, KP, j, j1, bias, y, N, m0);
+}
+
+// MT rows: as many blocks per pass as keep ~16 chains in registers
+template <int MT>
+inline void dot_rows(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP, int64_t j0, int64_t j1,
+                     const float* bias, at::BFloat16* y, int64_t N, int64_t m0) {
+  constexpr int NBT = MT <= 2 ? 2 : 1;
+  dot_tile<MT, NBT>(x, K, P, KP, j0, j1, bias, y, N, m0);
 }
 #endif
 }  // namespace
@@ -524,17 +544,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     for (int64_t jj = j0; jj < j1; jj += 8) {              // 8 output blocks at a time: their weights stay in L2
       const int64_t je = std::min(jj + 8, j1);
       int64_t m0 = 0;
-      for (; m0 + 16 <= M; m0 += 16) dot_tile<16>(xp, Kx, P, KP, jj, je, bp, yp, N, m0);
-      if (M - m0 >= 12) { dot_tile<12>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 12; }
-      if (M - m0 >= 8) { dot_tile<8>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 8; }
+      for (; m0 + 16 <= M; m0 += 16) dot_rows<16>(xp, Kx, P, KP, jj, je, bp, yp, N, m0);
+      if (M - m0 >= 12) { dot_rows<12>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 12; }
+      if (M - m0 >= 8) { dot_rows<8>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 8; }
       switch (M - m0) {
-        case 7: dot_tile<7>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 6: dot_tile<6>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 5: dot_tile<5>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 4: dot_tile<4>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 3: dot_tile<3>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 2: dot_tile<2>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 1: dot_tile<1>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 7: dot_rows<7>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 6: dot_rows<6>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 5: dot_rows<5>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 4: dot_rows<4>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 3: dot_rows<3>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 2: dot_rows<2>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
+        case 1: dot_rows<1>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
         default: break;
       }
     }
