@@ -67,10 +67,10 @@ INIT   ?=
 TRAIN_OUT ?= $(RUN)/train
 TRAIN_FLAGS ?=
 regenerate: $(STAMP)  ## every training prompt answered by the embedded target itself (greedy, bf16; resumable)
-	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --out $(RUN)/regen_sharegpt.jsonl
+	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-prompt-chars 400 --out $(RUN)/regen_sharegpt.jsonl
 	$(REGEN) $(DATA)/train/alpaca_en_demo.json --out $(RUN)/regen_alpaca.jsonl
 	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
-	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
+	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows 300 --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
 
 data: $(STAMP)  ## tokenize the regenerated conversations (rows up to MAX_LEN tokens, none cut) + draft vocab
 	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done

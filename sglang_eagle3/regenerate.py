@@ -175,7 +175,7 @@ class RegenStats:
 
 
 def load_conversations(inputs: list[str], fmt: Optional[str] = None, max_rows: Optional[int] = None,
-                       stats: Optional[RegenStats] = None) -> list[Conversation]:
+                       stats: Optional[RegenStats] = None, max_prompt_chars: Optional[int] = None) -> list[Conversation]:
     stats = stats or RegenStats()
     convs = []
     for src in parse_sources(inputs, fmt):
@@ -188,6 +188,8 @@ def load_conversations(inputs: list[str], fmt: Optional[str] = None, max_rows: O
             if isinstance(item, Conversation):
                 try:
                     split_prompts(item)
+                    if max_prompt_chars is not None and _prompt_chars(item) > max_prompt_chars:
+                        raise BadRow("prompt longer than --max-prompt-chars")
                 except BadRow as e:
                     item = e
             if isinstance(item, BadRow):
@@ -268,7 +270,8 @@ def run_settings(args) -> dict:
             "format": args.format, "generator": "server" if args.server else "engine",
             "target": where(args.target), "server": args.server, "model": args.model, "draft": where(args.draft),
             "dtype": args.dtype if not args.server else None, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed, "max_turns": args.max_turns}
+            "temperature": args.temperature, "seed": args.seed, "max_turns": args.max_turns,
+            "max_prompt_chars": args.max_prompt_chars}
 
 
 def check_settings(out: str, settings: dict, overwrite: bool) -> None:
@@ -299,7 +302,9 @@ def run(args) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     stats = RegenStats()
-    convs = load_conversations(args.inputs, args.format, args.max_rows, stats)
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise UserError("--max-prompt-chars must be >= 1")
+    convs = load_conversations(args.inputs, args.format, args.max_rows, stats, args.max_prompt_chars)
     if os.path.exists(args.out) and not args.overwrite and all(c.key in _scan_partial(args.out) for c in convs):
         print(f"{args.out} is already complete; pass --overwrite to regenerate it (or a larger --max-rows to add rows)")
         return 0
@@ -350,6 +355,9 @@ def add_cli(sub) -> None:
                    help="in-process engine: conversations per call and per fsync (default 4 x --batch-size)")
     p.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many turns per conversation")
     p.add_argument("--max-rows", type=int, default=None, help="read at most this many rows per input")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="skip conversations whose system + user text is longer (counted; they are answered last "
+                        "anyway, shortest prompts first)")
     p.add_argument("--overwrite", action="store_true", help="redo a finished OUT")
     p.add_argument("--quiet", action="store_true")
     from .generate_cli import add_spec_args
