@@ -306,3 +306,20 @@ def test_check_only_names_missing_inputs(setup, tmp_path, capsys):
     assert "--draft-vocab" in capsys.readouterr().err
     assert main([*base, "--data", dump]) == 0 and "inputs ok" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_export_and_learning_curve(setup, tmp_path):
+    """A kept checkpoint exports as a loadable draft equal to the run's weights at that step; the learning
+    curve reads checkpoints and metrics and measures τ for each."""
+    from sglang_eagle3.trainer.export import export_checkpoint
+    from conftest import save_tiny_model_folder
+    run = tmp_path / "run"
+    s = Trainer(small_cfg(setup, run, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_0000002", "step_0000004"]
+    st = export_checkpoint(str(run / "checkpoints" / "step_0000004"), str(tmp_path / "d4"))
+    assert st["step"] == 4 and st["tokens_seen"] == s["tokens_seen"] > 0
+    a = Eagle3DraftModel.from_pretrained(str(tmp_path / "d4")).state_dict()
+    b = Eagle3DraftModel.from_pretrained(s["export"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    recs = [r for r in read_metrics(str(run / "metrics.jsonl")) if r["split"] == "eval"]
+    assert [r["tokens_seen"] for r in recs][-1] == s["tokens_seen"]

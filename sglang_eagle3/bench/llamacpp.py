@@ -71,7 +71,7 @@ def run_speculative(target_gguf: str, draft_gguf: str, prompt_text: str, n_predi
     cmd = [llamacpp.tool("llama-speculative-simple"), "-m", target_gguf, "-md", draft_gguf, "--spec-type",
            "draft-eagle3", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0", "--spec-draft-p-min",
            str(p_min), "-p", prompt_text, "-n", str(n_predict), "--temp", "0", "-t", str(threads), "-td", str(threads),
-           "-c", "4096", "--no-warmup", "-s", "0"]
+           "-c", "4096", "-s", "0"]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0

@@ -133,6 +133,8 @@ def add_train_args(p) -> None:
     g.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--keep-checkpoints", type=int, default=2)
+    g.add_argument("--keep-every", type=int, default=0, help="also keep every checkpoint at a multiple of this step "
+                   "(for learning curves: bench/learning_curve.py)")
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
     g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
                    "metrics and draft and start again")
@@ -170,7 +172,7 @@ def train_config(args):
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         backend=args.backend, zero_stage=args.zero_stage, deepspeed_config=args.deepspeed_config,
         dtype=args.dtype, device=args.device, eval_every=args.eval_every, save_every=args.save_every,
-        log_every=args.log_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume, seed=args.seed,
+        log_every=args.log_every, keep_checkpoints=args.keep_checkpoints, keep_every=args.keep_every, resume=args.resume, seed=args.seed,
         verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
 
 

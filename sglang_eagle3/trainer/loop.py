@@ -69,6 +69,7 @@ class TrainConfig:
     save_every: int = 500
     log_every: int = 10
     keep_checkpoints: int = 2
+    keep_every: int = 0                      # checkpoints at multiples of this step are never pruned (curves)
     resume: bool = False
     overwrite: bool = False                  # start again in a run folder that holds checkpoints
     seed: int = 0
@@ -361,7 +362,8 @@ class Trainer:
         return {"step": step, "total_steps": self.total_steps, "world_size": self.world,
                 "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "seed": c.seed,
                 "backend": self.backend_name, "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
-                "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict()}
+                "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
+                "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
 
     def save_checkpoint(self, step: int) -> str:
         """All ranks write into checkpoints/.tmp-step_N; rank 0 renames it to step_N and updates `latest`."""
@@ -385,7 +387,9 @@ class Trainer:
             with open(latest + ".tmp", "w") as f:
                 f.write(name + "\n")
             os.replace(latest + ".tmp", latest)
-            older = [d for d in existing_checkpoints(self.cfg.out) if d != name]       # never the one just written
+            keep_every = self.cfg.keep_every
+            older = [d for d in existing_checkpoints(self.cfg.out) if d != name        # never the one just written
+                     and not (keep_every and int(d.split("_")[1]) % keep_every == 0)]
             for old in older[:max(0, len(older) - (max(1, self.cfg.keep_checkpoints) - 1))]:
                 shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
         B.barrier()
@@ -411,6 +415,7 @@ class Trainer:
         if diff:
             raise ConfigError(f"cannot resume {path} with the same data order and schedule: " + "; ".join(diff))
         self.backend.load(path)
+        self.tokens_seen = int(state.get("tokens_seen", 0))
         _log(f"resumed from {path} (step {state['step']}/{self.total_steps})")
         return int(state["step"])
 
@@ -437,6 +442,7 @@ class Trainer:
     def run(self) -> dict:
         from tqdm import tqdm
         cfg = self.cfg
+        self.tokens_seen = 0                                     # training tokens since step 0 (resumes with it)
         start = self.try_resume()
         logger = MetricsLogger(cfg.out, start, cfg.tensorboard) if self.rank == 0 else None
         n_params = sum(p.numel() for p in self.module.draft.parameters())
@@ -467,9 +473,10 @@ class Trainer:
             win += local
             win_steps, win_time = win_steps + 1, win_time + dt
             total_tokens, total_time = total_tokens + int(local[2 * K + 3]), total_time + dt
+            self.tokens_seen += int(local[2 * K + 3])
             done = step + 1
             if done % cfg.log_every == 0 or done == self.total_steps:
-                rec = {"step": done, "split": "train", "epoch": self.sampler.epoch_of(step),
+                rec = {"step": done, "split": "train", "epoch": self.sampler.epoch_of(step), "tokens_seen": self.tokens_seen,
                        "loss": float(win[2 * K + 2] / (win_steps * self.world)), "lr": self.backend.lr(),
                        "grad_norm": self.backend.grad_norm(), "tokens_per_s": float(win[2 * K + 3] / win_time),
                        **metrics_from_counters(win[:2 * K + 2])}
@@ -480,7 +487,7 @@ class Trainer:
                 win.zero_()
                 win_steps, win_time = 0, 0.0
             if len(self.eval_idx) and (done % cfg.eval_every == 0 or done == self.total_steps):
-                last_eval = {"step": done, "split": "eval", **self.evaluate()}
+                last_eval = {"step": done, "split": "eval", "tokens_seen": self.tokens_seen, **self.evaluate()}
                 if logger:
                     logger.log(last_eval)
                     bar.write(f"eval @ {done}: loss {last_eval['loss']:.4f} " + " ".join(
@@ -500,7 +507,7 @@ class Trainer:
         summary = {"steps": self.total_steps, "resumed_from": start, "backend": self.backend_name,
                    "zero_stage": self.zero_stage, "world_size": self.world, "device": self.device.type,
                    "dtype": str(self.dtype).replace("torch.", ""), "final_eval": last_eval,
-                   "train_tokens": total_tokens, "train_time_s": total_time,
+                   "train_tokens": total_tokens, "tokens_seen": self.tokens_seen, "train_time_s": total_time,
                    "tokens_per_s": total_tokens / total_time if total_time else None,
                    "param_checksums": checksums, "export": path, "config": asdict(cfg)}
         if logger:

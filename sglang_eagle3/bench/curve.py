@@ -1,0 +1,121 @@
+"""Learning curve of a training run: what a token budget buys.
+
+For the run's kept checkpoints (`eagle3 train --keep-every N`), the draft is exported and its acceptance length
+τ measured in our engine (greedy, bf16, the default tree, MT-bench with its second turn and GSM8K, a few prompts
+each; τ as bench_acceptance defines it), beside the trainer's held-out acc_0..acc_6 and simulated τ from
+metrics.jsonl. Writes JSON and a PNG of τ and acc_0 against training tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+from . import report, run_cli
+
+FORMAT = "sglang_eagle3.learning_curve/1"
+
+
+def build_parser():
+    from ..generate_cli import add_spec_args
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", required=True,
+                   help="training run folder (repeatable: runs continued with --init-from, in order)")
+    p.add_argument("--target", default="testbed")
+    p.add_argument("--data", default=None)
+    p.add_argument("--datasets", default="mt_bench,gsm8k")
+    p.add_argument("--n", type=int, default=3, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True, help="JSON; the PNG goes next to it")
+    add_spec_args(p)
+    return p
+
+
+def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int, dtype: str) -> dict:
+    from ..engine import SpeculativeEngine
+    from ..generate_cli import DTYPES, load_draft
+    from ..verify import SamplingParams
+    from .acceptance import run_conversation
+    eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), spec)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    out = {}
+    for name, convs in prompts.items():
+        steps = []
+        for turns in convs:
+            steps += run_conversation(eng, turns if name == "mt_bench" else turns[:1], lambda k: params)["accept_lengths"]
+        out[name] = sum(steps) / max(1, len(steps))
+    return out
+
+
+def run(argv=None) -> int:
+    import torch
+    from ..cli import UserError
+    from ..config import SpecConfig
+    from ..generate_cli import DTYPES, resolve_target
+    from ..prompts import data_dir, load_prompts
+    from ..target import TargetModel
+    from ..trainer.export import export_checkpoint
+    from ..trainer.logs import read_metrics
+    from .acceptance import resolve_sets
+    a = build_parser().parse_args(argv)
+    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
+    prompts = {k: load_prompts(p, limit=a.n) for k, p in sets.items()}
+    target = TargetModel.from_pretrained(resolve_target(a.target), dtype=DTYPES[a.dtype])
+    points, evals, offset = [], [], 0
+    for run_dir in a.run:
+        ckpt = os.path.join(run_dir, "checkpoints")
+        if not os.path.isdir(ckpt):
+            raise UserError(f"--run {run_dir}: no checkpoints/ folder")
+        recs = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
+        evals += [{**r, "tokens_total": offset + r.get("tokens_seen", 0), "run": run_dir} for r in recs]
+        steps = sorted(d for d in os.listdir(ckpt) if d.startswith("step_"))
+        last = 0
+        for name in steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "draft")
+                state = export_checkpoint(os.path.join(ckpt, name), out)
+                tau = measure_tau(target, out, spec, prompts, a.max_new_tokens, a.dtype)
+            last = state.get("tokens_seen", 0)
+            points.append({"run": run_dir, "step": state["step"], "tokens_total": offset + last, "tau": tau})
+            print(f"{run_dir} {name}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items()),
+                  file=sys.stderr, flush=True)
+        offset += last
+    result = {"format": FORMAT, "runs": a.run, "tree": {"num_steps": spec.num_steps, "topk": spec.topk,
+              "num_draft_tokens": spec.num_draft_tokens}, "n": a.n, "max_new_tokens": a.max_new_tokens,
+              "points": points, "evals": evals, "meta": report.run_metadata()}
+    report.write_json_atomic(a.out, result)
+    png = plot(result, report.sibling(a.out, ".png"))
+    rows = [[f"{p['tokens_total']:,}", p["step"]] + [f"{p['tau'][k]:.2f}" for k in sets] for p in points]
+    text = report.format_table(["training tokens", "step"] + [f"τ {k}" for k in sets], rows)
+    print(text)
+    report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
+    print(f"wrote {os.path.abspath(a.out)}\n      {png}")
+    return 0
+
+
+def plot(r: dict, path: str) -> str:
+    fig, (ax1, ax2) = report.subplots(1, 2, figsize=(11, 4))
+    for name in (r["points"][0]["tau"] if r["points"] else {}):
+        ax1.plot([p["tokens_total"] for p in r["points"]], [p["tau"][name] for p in r["points"]], "o-",
+                 label=f"measured τ, {name}")
+    ev = r["evals"]
+    if ev:
+        ax1.plot([e["tokens_total"] for e in ev], [e["accept_length"] for e in ev], "--", color="gray",
+                 label="simulated τ (held-out, chain of 7)")
+        for k in (0, 3, 6):
+            ax2.plot([e["tokens_total"] for e in ev], [e[f"acc_{k}"] for e in ev], "o-", ms=3, label=f"acc_{k}")
+    t = r["tree"]
+    ax1.set(xlabel="training tokens", ylabel="τ (tokens per target forward)",
+            title=f"Acceptance vs budget (tree {t['num_steps']}/{t['topk']}/{t['num_draft_tokens']})")
+    ax1.legend(fontsize=7)
+    ax2.set(xlabel="training tokens", ylabel="held-out accuracy", title="Per-step accuracy (held-out rows)")
+    ax2.legend(fontsize=7)
+    return report.save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    return run_cli("learning_curve", run, argv)
