@@ -66,6 +66,7 @@ EAGLE31 ?= 0
 INIT   ?=
 TRAIN_OUT ?= $(RUN)/train
 TRAIN_FLAGS ?=
+KEEP_EVERY ?= 250
 regenerate: $(STAMP)  ## every training prompt answered by the embedded target itself (greedy, bf16; resumable)
 	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-prompt-chars 400 --out $(RUN)/regen_sharegpt.jsonl
 	$(REGEN) $(DATA)/train/alpaca_en_demo.json --out $(RUN)/regen_alpaca.jsonl
@@ -84,7 +85,7 @@ dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards
 
 TRAIN_ARGS = --target testbed --data $(RUN)/dump --out $(TRAIN_OUT) --draft-vocab $(RUN)/data/draft_vocab.safetensors \
 	    --max-length $(MAX_LEN) --lr $(LR) --warmup-ratio 0.02 --min-lr-ratio 0.1 --grad-accum $(ROWS) \
-	    --max-steps $(STEPS) --eval-every 100 --save-every 25 --eval-rows 32 --features $(FEATURES) \
+	    --max-steps $(STEPS) --eval-every 100 --save-every 25 --keep-every $(KEEP_EVERY) --eval-rows 32 --features $(FEATURES) \
 	    --feature-loss-weight $(FEATURE_LOSS) $(if $(filter 1,$(EAGLE31)),--fc-norm --norm-output) \
 	    $(if $(INIT),--init-from $(INIT)) --resume $(TRAIN_FLAGS)
 train: $(STAMP)  ## train the draft from the dump (resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
