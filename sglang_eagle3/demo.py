@@ -6,9 +6,8 @@ import os
 
 import torch
 
-from .config import SpecConfig
 from . import kernels
-from .generate_cli import DTYPES, add_compile_arg, add_spec_args, apply_compile_arg, load_engine, resolve_target, shipped_draft
+from .generate_cli import DTYPES, add_compile_arg, add_spec_args, apply_compile_arg, load_engine, resolve_spec, resolve_target, shipped_draft
 from .prompts import data_dir, load_prompts
 from .verify import SamplingParams
 
@@ -26,7 +25,6 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
     add_spec_args(ap)
     add_compile_arg(ap)
-    ap.set_defaults(num_steps=3, topk=2, num_draft_tokens=6)
     a = ap.parse_args(argv)
     apply_compile_arg(a)
     import time as _time
@@ -49,15 +47,16 @@ def main(argv=None) -> int:
         note = " (no trained draft shipped yet: a RANDOM draft, so expect accept length ~1)"
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
-    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    spec, profile, source = resolve_spec(a, draft, len(chats))
     spec_engine = load_engine(None, draft, spec, a.dtype)
+    spec_engine.profile = profile                 # the tuned shape for each running batch size
     vanilla = load_engine(None, "none", spec, a.dtype)
     runtime = ("compiled CPU path: prepacked oneDNN bf16 linears + C++ attention/norm kernels "
                f"(extension loaded in {ext_s:.1f} s; built once at install)" if ext is not None else
                "eager PyTorch" + (f" (C++ extension unavailable: {kernels.status()['extension_error']})"
                                   if a.compile == "auto" else " (--compile off)"))
     print(f"target: {resolve_target(None)}\ndraft:  {draft}{note}\ntree:   num_steps={spec.num_steps} topk={spec.topk} "
-          f"num_draft_tokens={spec.num_draft_tokens}\ndtype:  {a.dtype}, threads: {torch.get_num_threads()}\n"
+          f"num_draft_tokens={spec.num_draft_tokens} at batch {len(chats)} (from {source})\ndtype:  {a.dtype}, threads: {torch.get_num_threads()}\n"
           f"engine: {runtime}\n")
     van_out, van = vanilla.generate(chats, params)
     spec_out, spec_stats = spec_engine.generate(chats, params)

@@ -66,10 +66,46 @@ def apply_compile_arg(args) -> None:
 
 
 def add_spec_args(p) -> None:
-    g = p.add_argument_group("draft tree (SGLang semantics)")
-    g.add_argument("--num-steps", type=int, default=5, help="tree depth (default %(default)s)")
-    g.add_argument("--topk", type=int, default=4, help="branching per step (default %(default)s)")
-    g.add_argument("--num-draft-tokens", type=int, default=16, help="tokens verified per step incl. the root (default %(default)s)")
+    g = p.add_argument_group("draft tree (SGLang semantics; default: the draft folder's spec_profile.json, the shapes "
+                             "tuned for this CPU by bench/tune_spec.py, else 5/4/16 as SGLang)")
+    g.add_argument("--num-steps", type=int, default=None, help="tree depth")
+    g.add_argument("--topk", type=int, default=None, help="branching per step")
+    g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens verified per step incl. the root")
+
+
+def draft_profile(draft: str | None):
+    """The speculation profile stored with a draft (spec_profile.json), or None."""
+    from .config import ConfigError, SpecProfile
+    path = os.path.join(draft, "spec_profile.json") if draft and draft != "none" else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        return SpecProfile.load(path)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+
+
+def resolve_spec(a, draft: str | None, batch_size: int = 1):
+    """(tree, profile, where it came from): explicit --num-steps/--topk/--num-draft-tokens win; otherwise the
+    draft's tuned profile (its tree for `batch_size`, and the whole profile for an engine that adapts to its running
+    batch size); otherwise SGLang's default 5/4/16. A flag given alone fills in the rest from that base."""
+    explicit = {k: getattr(a, k) for k in ("num_steps", "topk", "num_draft_tokens") if getattr(a, k, None) is not None}
+    profile = None if explicit else draft_profile(draft)
+    base, source = SpecConfig(), "default tree"
+    if profile is not None:
+        tuned = profile.for_batch_size(batch_size)
+        source = f"{profile.source} (batch {batch_size}: " + ("no speculation" if tuned is None else "tuned") + ")"
+        base = tuned or base
+    if explicit:
+        source = "flags"
+    try:
+        spec = SpecConfig(**{"num_steps": base.num_steps, "topk": base.topk,
+                             "num_draft_tokens": base.num_draft_tokens, **explicit})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    for k in ("num_steps", "topk", "num_draft_tokens"):
+        setattr(a, k, getattr(spec, k))                   # what ran is what gets recorded
+    return spec, profile, source
 
 
 def add_cli(sub) -> None:
@@ -119,7 +155,6 @@ def run_generate(a) -> int:
                                 top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
     except ValueError as e:
         raise UserError(str(e)) from None
-    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty")
     prompts = [a.prompt] if a.prompt is not None else [t[0] for t in load_prompts(a.prompts_file, limit=a.limit)]
@@ -127,13 +162,17 @@ def run_generate(a) -> int:
         prompts = [[{"role": "user", "content": p}] for p in prompts]
     embedded = getattr(a, "embedded_target", False) or a.target in (None, "testbed")
     draft = a.draft if a.draft is not None else (shipped_draft() if embedded else None)
+    spec, profile, source = resolve_spec(a, draft, a.batch_size)
     engine = load_engine(a.target, draft, spec, a.dtype)
+    engine.profile = profile                              # tuned shapes follow the running batch size
     outputs, stats = engine.generate(prompts, params, batch_size=a.batch_size, truncate=a.truncate_prompt)
     if a.json:
         json.dump({"outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
                                 "finish_reason": o.finish_reason, "accept_length": o.accept_length}
                                for o in outputs],
-                   "stats": stats.as_dict(), "draft": draft or "none"}, sys.stdout)
+                   "stats": stats.as_dict(), "draft": draft or "none",
+                   "tree": {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens,
+                            "source": source, "adaptive": profile is not None}}, sys.stdout)
         print()
         return 0
     for o in outputs:

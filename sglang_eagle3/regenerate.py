@@ -319,9 +319,8 @@ def run(args) -> int:
             raise UserError(f"--server {args.server}: {type(e).__name__}: {e}; finished rows are kept in "
                             f"{args.out}.partial, rerun to resume") from None
     else:
-        from .config import SpecConfig
-        from .generate_cli import load_engine
-        spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens)
+        from .generate_cli import load_engine, resolve_spec
+        spec, _, _ = resolve_spec(args, args.draft)
         gen = EngineGenerator(load_engine(args.target, args.draft or "none", spec, args.dtype, args.device),
                               args.max_new_tokens, args.temperature, args.batch_size, args.seed)
         # the engine batches continuously: hand it several batches' worth of conversations per call

@@ -43,6 +43,27 @@ def test_generate_json_spec_equals_vanilla(folders, capsys, tmp_path):
     assert van["stats"]["accept_length"] == 1.0
 
 
+def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, capsys, tmp_path):
+    import shutil
+    target, draft, _ = folders
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    (tuned / "spec_profile.json").write_text(json.dumps({"per_batch_size": {
+        "1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}, "4": {"speculation": False}}}))
+    common = ["--target", target, "--prompt", "w1 w2", "--max-new-tokens", "4", "--draft", str(tuned)]
+    t = run_json(capsys, *common)["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"], t["adaptive"]) == (2, 1, 3, True)
+    assert "spec_profile.json" in t["source"]
+    t = run_json(capsys, *common, "--topk", "2")["tree"]           # a flag: fixed tree, the rest from the default
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"], t["adaptive"], t["source"]) == (5, 2, 16, False, "flags")
+    t = run_json(capsys, "--target", target, "--prompt", "w1", "--max-new-tokens", "2", "--draft", draft)["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (5, 4, 16)     # no profile: SGLang's default
+    (tuned / "spec_profile.json").write_text("{not json")
+    assert main(["generate", *common]) == 2
+    err = capsys.readouterr().err
+    assert "spec_profile.json: not valid JSON" in err and "Traceback" not in err
+
+
 def test_generate_errors_are_one_line(folders, capsys, tmp_path):
     target, draft, _ = folders
     bad = tmp_path / "bad.jsonl"

@@ -225,9 +225,8 @@ def run(argv=None) -> int:
     import torch
     from tqdm import tqdm
     from ..cli import UserError
-    from ..config import SpecConfig
     from ..engine import SpeculativeEngine
-    from ..generate_cli import apply_compile_arg, load_engine, resolve_target, shipped_draft
+    from ..generate_cli import apply_compile_arg, load_engine, resolve_spec, resolve_target, shipped_draft
     from ..prompts import load_prompts
     from ..verify import SamplingParams
 
@@ -246,8 +245,9 @@ def run(argv=None) -> int:
         base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UserError(str(e)) from None
-    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
-    a.num_draft_tokens = spec.num_draft_tokens            # topk=1 clamps it to num_steps + 1
+    spec, _, source = resolve_spec(a, draft, 1)         # records the tree that ran in a (topk=1 clamps ndt)
+    print(f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens} (from {source})",
+          file=sys.stderr)
     target = resolve_target(a.target)
     config = _config(a, target, os.path.abspath(draft))
     done = _resumable(a.out, config, a.fresh)

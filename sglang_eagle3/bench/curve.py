@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 
@@ -51,17 +50,15 @@ def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int
 
 
 def run(argv=None) -> int:
-    import torch
     from ..cli import UserError
-    from ..config import SpecConfig
-    from ..generate_cli import DTYPES, resolve_target
+    from ..generate_cli import DTYPES, resolve_spec, resolve_target
     from ..prompts import data_dir, load_prompts
     from ..target import TargetModel
     from ..trainer.export import export_checkpoint
     from ..trainer.logs import read_metrics
     from .acceptance import resolve_sets
     a = build_parser().parse_args(argv)
-    spec = SpecConfig(a.num_steps, a.topk, a.num_draft_tokens)
+    spec, _, _ = resolve_spec(a, None)                    # one tree for every checkpoint (flags, else 5/4/16)
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = {k: load_prompts(p, limit=a.n) for k, p in sets.items()}
     target = TargetModel.from_pretrained(resolve_target(a.target), dtype=DTYPES[a.dtype])
