@@ -380,3 +380,21 @@ def test_ablation_table_refuses_files_that_are_not_acceptance_results(tmp_path, 
     assert "not a bench_acceptance result" in capsys.readouterr().err
     assert ablation_main(["--row", f"x={broken}", "--out", out]) == 2
     assert "broken.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_trainer_speed_reports_every_configuration(env, tmp_path, capsys):
+    from sglang_eagle3.bench.trainer_speed import main as trainer_main
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [(i * 7 + j) % 90 for j in range(30)],
+                                        "loss_mask": [0] * 10 + [1] * 20}) + "\n" for i in range(3)))
+    out = tmp_path / "trainer.json"
+    assert trainer_main(["--target", env["target"], "--data", str(rows), "--rows", "2", "--min-len", "10",
+                         "--max-len", "40", "--rounds", "1", "--ttt-length", "3", "--threads", "1",
+                         "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["configs"]) == {"fp32 (before)", "fp32", "bf16 autocast (after)",
+                                 "bf16 autocast, online (target features each step)"}
+    assert all(c["tokens_per_s"] > 0 and c["fraction_of_peak"] > 0 for c in r["configs"].values())
+    assert r["tokens_per_round"] == 60 and "online" in capsys.readouterr().out
+    assert trainer_main(["--target", env["target"], "--data", str(rows), "--rows", "5", "--out", str(out)]) == 2
+    assert "fewer than 5 rows" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def ttt_flops(cfg, T: int, K: int, vocab: int) -> float:
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed")
-    p.add_argument("--data", required=True, help="prepare-data folder (token rows)")
+    p.add_argument("--data", required=True, help="prepare-data folder, or a jsonl of {input_ids, loss_mask} rows")
     p.add_argument("--rows", type=int, default=6, help="rows per round")
     p.add_argument("--min-len", type=int, default=400)
     p.add_argument("--max-len", type=int, default=900)
@@ -78,10 +78,11 @@ def run(argv=None) -> int:
     if len(rows) < a.rows:
         raise UserError(f"--data {a.data}: fewer than {a.rows} rows of {a.min_len}..{a.max_len} tokens")
     tm = TargetModel.from_pretrained(resolve_target(a.target), dtype=torch.bfloat16)
-    cfg = Eagle3Config.for_target(tm.hf_config, 8192)
+    draft_vocab = min(8192, tm.vocab_size)                               # the recipe's draft vocabulary
+    cfg = Eagle3Config.for_target(tm.hf_config, draft_vocab)
     torch.manual_seed(0)
     draft = Eagle3DraftModel(cfg)
-    draft.set_vocab_mapping(torch.arange(8192))
+    draft.set_vocab_mapping(torch.arange(draft_vocab))
     draft.set_embedding(tm.embed_tokens)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-5)
     feats = []
@@ -91,11 +92,16 @@ def run(argv=None) -> int:
         feats.append((x, torch.from_numpy(mask.astype(np.int64))[None], aux, last))
     tokens = sum(f[0].shape[1] for f in feats)
     flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size) for f in feats)
-    configs = {"fp32 (before)": (False, False), "fp32": (False, True), "bf16 autocast (after)": (True, True)}
+    configs = {"fp32 (before)": (False, False, False), "fp32": (False, True, False),
+               "bf16 autocast (after)": (True, True, False),
+               "bf16 autocast, online (target features each step)": (True, True, True)}
 
-    def one_round(autocast: bool, fused: bool) -> float:
+    def one_round(autocast: bool, fused: bool, online: bool) -> float:
         t0 = time.perf_counter()
         for x, m, aux, last in feats:
+            if online:                                                   # what training without a dump pays
+                with torch.no_grad():
+                    aux, last = tm.features(x)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused)
             out.loss.backward()
@@ -103,12 +109,12 @@ def run(argv=None) -> int:
             opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    for ac, fu in configs.values():                                      # warm-up
-        one_round(ac, fu)
+    for cfg_flags in configs.values():                                   # warm-up
+        one_round(*cfg_flags)
     times = {name: [] for name in configs}
     for _ in range(a.rounds):
-        for name, (ac, fu) in configs.items():                           # alternated
-            times[name].append(one_round(ac, fu))
+        for name, cfg_flags in configs.items():                          # alternated
+            times[name].append(one_round(*cfg_flags))
     peak = {"bfloat16": matmul_peak_gflops(torch.bfloat16), "float32": matmul_peak_gflops(torch.float32)}
     result = {"format": "sglang_eagle3.bench_trainer/1", "rows": len(feats), "tokens_per_round": tokens,
               "ttt_length": a.ttt_length, "threads": a.threads, "model_gflop_per_round": flops / 1e9,
