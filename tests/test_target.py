@@ -135,12 +135,13 @@ def test_unsupported_family_is_refused():
         TargetModel(hf)
 
 
+@pytest.mark.parametrize("D", [16, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_static_attention_equals_the_kernel_and_the_reference(dtype):
+def test_static_attention_equals_the_kernel_and_the_reference(dtype, D):
     """The fixed-shape attention (what CUDA graphs capture) against the reference and the CPU kernel."""
     from sglang_eagle3 import kernels as K
     torch.manual_seed(0)
-    R, nKV, S, D, nH, B, T, F = 5, 3, 48, 16, 6, 3, 4, 6
+    R, nKV, S, nH, B, T, F = 5, 3, 48, 6, 3, 4, 6      # head sizes 64, 128: the kernel's register-blocked paths
     k0, v0 = torch.randn(R, nKV, S, D, dtype=dtype), torch.randn(R, nKV, S, D, dtype=dtype)
     q, kn, vn = torch.randn(B, nH, T, D, dtype=dtype), torch.randn(B, nKV, T, D, dtype=dtype), \
         torch.randn(B, nKV, T, D, dtype=dtype)
@@ -158,6 +159,12 @@ def test_static_attention_equals_the_kernel_and_the_reference(dtype):
     for out, kc, vc in outs[1:]:
         torch.testing.assert_close(out, outs[0][0], rtol=tol, atol=tol)
         assert torch.equal(kc, outs[0][1]) and torch.equal(vc, outs[0][2])
+    # one row alone splits its queries into smaller chunks per KV head: the same values, bit for bit
+    for b in range(B):
+        kc, vc = k0.clone(), v0.clone()
+        one = K.tree_attention(q[b:b + 1], kn[b:b + 1], vn[b:b + 1], kc, vc, rows[b:b + 1], lens[b:b + 1],
+                               ws[b:b + 1], m[b:b + 1].contiguous(), D ** -0.5)
+        assert torch.equal(one[0].float(), outs[2][0][b])
 
 
 def test_packed_linear_paths_agree():

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -116,6 +117,48 @@ inline void dot16(const float* q, const T* k, int64_t D, float* out) {
   }
   _mm512_storeu_ps(out, hsum16(acc));
 }
+
+// dot16 for a head size of 16 * ND known at compile time (queries and keys stay in registers)
+template <int ND, typename T>
+inline void dot16_fixed(const float* q, const T* k, float* out) {
+  __m512 acc[16], qv[ND];
+#pragma GCC unroll 16
+  for (int c = 0; c < ND; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_mul_ps(qv[0], load16(k + i * 16 * ND));
+#pragma GCC unroll 16
+    for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + i * 16 * ND + 16 * c), a);
+    acc[i] = a;
+  }
+  _mm512_storeu_ps(out, hsum16(acc));
+}
+
+// out[q][0:16 ND] = sum over s < n of p[q * ld + s] * V[s] for QB queries at once: each value row is loaded
+// (and converted) once for the block, the accumulators stay in registers; sums in the order of s, as axpy's.
+template <int ND, int QB, typename T>
+inline void weighted_sum_block(const float* p, int64_t ld, const T* V, int64_t n, float* out) {
+  __m512 acc[QB][ND];
+#pragma GCC unroll 16
+  for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 16
+    for (int c = 0; c < ND; ++c) acc[q][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n; ++s) {
+    __m512 v[ND];
+#pragma GCC unroll 16
+    for (int c = 0; c < ND; ++c) v[c] = load16(V + s * 16 * ND + 16 * c);
+#pragma GCC unroll 16
+    for (int q = 0; q < QB; ++q) {
+      const __m512 pq = _mm512_set1_ps(p[q * ld + s]);
+#pragma GCC unroll 16
+      for (int c = 0; c < ND; ++c) acc[q][c] = _mm512_fmadd_ps(pq, v[c], acc[q][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 16
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + q * 16 * ND + 16 * c, acc[q][c]);
+}
 #endif
 
 // acc[0:D] += p * v[0:D]
@@ -207,40 +250,95 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
           std::memcpy(vc + dst, vn.at(b, h, t), D * sizeof(E));
         }
   }
-  // 2. attend
-  at::parallel_for(0, B * nH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(D), acc(D);
+  // 2. attend. A task is a chunk of the G * T queries that share one KV head of one row (query r = g * T + t,
+  // head h = kvh * G + g): each committed key block is converted to fp32 once per chunk and scored against every
+  // query of the chunk, each value row once and added into every query's accumulator. Chunks are sized so that
+  // there are a few tasks per thread even at batch 1. Per query, the sums run in the same order as for a lone
+  // query, so results do not depend on the chunking.
+  const int64_t GT = G * T, threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(GT, (B * nKV * GT + 4 * threads - 1) / (4 * threads)));
+  const int64_t chunks_per_head = (GT + chunk - 1) / chunk;
+  at::parallel_for(0, B * nKV * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(chunk * D), acc(chunk * D), kblock(16 * D), vrow(D), inv(chunk);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / nH, h = task % nH, kvh = h / G;
+      const int64_t b = task / (nKV * chunks_per_head), kvh = (task / chunks_per_head) % nKV;
+      const int64_t r0 = (task % chunks_per_head) * chunk, nq = std::min(chunk, GT - r0);
       const int64_t L = lens_p[b], n = L + F;
       const E* K = kc + rows_p[b] * row_stride + kvh * head_stride;
       const E* V = vc + rows_p[b] * row_stride + kvh * head_stride;
-      scores.resize(n);
-      for (int64_t t = 0; t < T; ++t) {
-        load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qf.data());
-        for (int64_t d = 0; d < D; ++d) qf[d] *= static_cast<float>(scale);
-        const bool* m = mask_p + (b * T + t) * F;
-        int64_t s0 = 0;
+      scores.resize(nq * n);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+        float* qi = qf.data() + i * D;
+        load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
+        for (int64_t d = 0; d < D; ++d) qi[d] *= static_cast<float>(scale);
+      }
+      int64_t s0 = 0;
 #ifdef E3_AVX512
-        if (D % 16 == 0 && D <= 256)
-          for (; s0 + 16 <= L; s0 += 16) dot16(qf.data(), K + s0 * D, D, scores.data() + s0);
+      if (D % 16 == 0 && D <= 256)
+        for (; s0 + 16 <= L; s0 += 16) {
+          const E* kb = K + s0 * D;
+          const float* kf = kblock.data();
+          if (nq > 2)                                    // convert the block once for many queries
+            for (int64_t j = 0; j < 16 * D; j += 16) _mm512_storeu_ps(kblock.data() + j, load16(kb + j));
+          for (int64_t i = 0; i < nq; ++i) {
+            float* si = scores.data() + i * n + s0;
+            const float* qi = qf.data() + i * D;
+            if (D == 64) nq > 2 ? dot16_fixed<4>(qi, kf, si) : dot16_fixed<4>(qi, kb, si);
+            else if (D == 128) nq > 2 ? dot16_fixed<8>(qi, kf, si) : dot16_fixed<8>(qi, kb, si);
+            else nq > 2 ? dot16(qi, kf, D, si) : dot16(qi, kb, D, si);
+          }
+        }
 #endif
-        for (int64_t s = s0; s < L; ++s) scores[s] = dot(qf.data(), K + s * D, D);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = (r0 + i) % T;
+        const float* qi = qf.data() + i * D;
+        float* si = scores.data() + i * n;
+        for (int64_t s = s0; s < L; ++s) si[s] = dot(qi, K + s * D, D);
+        const bool* m = mask_p + (b * T + t) * F;
         for (int64_t f = 0; f < F; ++f)
-          scores[L + f] = m[f] ? dot(qf.data(), K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
-        const float inv = 1.f / softmax_unnormalised(scores.data(), n);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t s = 0; s < n; ++s)
-          if (scores[s] != 0.f) axpy(acc.data(), scores[s], V + s * D, D);
+          si[L + f] = m[f] ? dot(qi, K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
+        inv[i] = 1.f / softmax_unnormalised(si, n);
+      }
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      int64_t s_done = 0;                                // committed slots: all finite, no mask
+#ifdef E3_AVX512
+      if (D == 64 || D == 128) {
+        int64_t i = 0;
+        for (; D == 64 && i + 4 <= nq; i += 4)
+          weighted_sum_block<4, 4>(scores.data() + i * n, n, V, L, acc.data() + i * D);
+        for (; D == 128 && i + 2 <= nq; i += 2)
+          weighted_sum_block<8, 2>(scores.data() + i * n, n, V, L, acc.data() + i * D);
+        for (; i < nq; ++i)
+          D == 64 ? weighted_sum_block<4, 1>(scores.data() + i * n, n, V, L, acc.data() + i * D)
+                  : weighted_sum_block<8, 1>(scores.data() + i * n, n, V, L, acc.data() + i * D);
+        s_done = L;
+      }
+#endif
+      for (int64_t s = s_done; s < n; ++s) {
+        int64_t d0 = 0;
+#ifdef E3_AVX512
+        if (D % 16 == 0)
+          for (; d0 < D; d0 += 16) _mm512_storeu_ps(vrow.data() + d0, load16(V + s * D + d0));
+#endif
+        for (int64_t d = d0; d < D; ++d) vrow[d] = to_f(V[s * D + d]);
+        for (int64_t i = 0; i < nq; ++i) {
+          const float p = scores[i * n + s];
+          if (p != 0.f) axpy(acc.data() + i * D, p, vrow.data(), D);
+        }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+        const float* ai = acc.data() + i * D;
         E* orow = out.at(b, h, t);
         int64_t d = 0;
 #ifdef E3_AVX512
         if (D % 16 == 0) {
-          __m512 vi = _mm512_set1_ps(inv);
-          for (; d < D; d += 16) store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + d), vi));
+          __m512 vi = _mm512_set1_ps(inv[i]);
+          for (; d < D; d += 16) store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(ai + d), vi));
         }
 #endif
-        for (; d < D; ++d) orow[d] = from_f<E>(acc[d] * inv);
+        for (; d < D; ++d) orow[d] = from_f<E>(ai[d] * inv[i]);
       }
     }
   });
