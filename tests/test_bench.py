@@ -398,3 +398,29 @@ def test_trainer_speed_reports_every_configuration(env, tmp_path, capsys):
     assert r["tokens_per_round"] == 60 and "online" in capsys.readouterr().out
     assert trainer_main(["--target", env["target"], "--data", str(rows), "--rows", "5", "--out", str(out)]) == 2
     assert "fewer than 5 rows" in capsys.readouterr().err
+
+
+def test_bench_decode_end_to_end_on_a_tiny_target(env, tmp_path):
+    """Every CPU part but llama.cpp / compile runs, writes JSON + Markdown + PNG, marks the targets, and uses the
+    draft's tuned batch-1 tree as the demo tree."""
+    import importlib.util
+    import shutil
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(root, "bench", "bench_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    draft = tmp_path / "draft"
+    shutil.copytree(env["draft"], draft)
+    (draft / "spec_profile.json").write_text(json.dumps({"per_batch_size": {
+        "1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}))
+    out = tmp_path / "decode.json"
+    assert mod.main(["--target", env["target"], "--draft", str(draft), "--data", env["data"], "--dtype", "float32",
+                     "--parts", "speed,step,trees,profile", "--n", "1", "--tree-prompts", "1", "--repeats", "2",
+                     "--tree-sizes", "1,2,8", "--trees", "1,1,2", "--max-new-tokens", "4", "--context", "16",
+                     "--profile-batches", "1", "--threads", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["meta"]["demo_tree"] == [2, 1, 3]
+    assert [t["tree"]["num_steps"] for t in r["trees"]["trees"]] == [1, 2]      # the demo tree was added
+    md = (tmp_path / "decode.md").read_text()
+    assert "demo tree (2/1/3)" in md and "verify of 8 tokens" in md
+    assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
