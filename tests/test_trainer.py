@@ -288,6 +288,23 @@ def test_init_from_continues_a_draft(setup, tmp_path):
         Trainer(small_cfg(setup, tmp_path / "c", init_from=first["export"], draft_vocab_size=None, fc_norm=True))
 
 
+def test_head_init_from_the_target(setup, tmp_path):
+    """--head-init target: the draft's lm_head starts as the target's rows for the draft vocabulary and its final
+    norm as the target's (offline: read from the target's safetensors)."""
+    from safetensors.torch import load_file
+    _, target, _, _ = setup
+    w = load_file(os.path.join(target, "model.safetensors"))
+    t = Trainer(small_cfg(setup, tmp_path / "h", head_init="target", max_steps=1, save_every=0))
+    d = t.module.draft
+    ids = d.draft_to_target(torch.arange(d.config.draft_vocab_size))
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    frozen = t.module.lm_head.weight.dtype                                      # the target head as training holds it
+    assert torch.equal(d.lm_head.weight.data, head[ids].to(frozen).float())
+    assert torch.equal(d.norm.weight.data, w["model.norm.weight"].float())
+    r = Trainer(small_cfg(setup, tmp_path / "r", max_steps=1, save_every=0)).module.draft
+    assert not torch.equal(r.lm_head.weight.data, head[ids].float())            # the default stays random
+
+
 def test_eagle31_training_and_loss_mask_offset(setup, tmp_path):
     s = Trainer(small_cfg(setup, tmp_path / "v31", fc_norm=True, norm_output=True, loss_mask_offset=0,
                           save_every=0)).run()

@@ -99,6 +99,9 @@ def add_train_args(p) -> None:
     g.add_argument("--aux-layer-ids", default=None, help="online mode: comma-separated target layer ids")
     g.add_argument("--features", choices=["fused", "top"], default="fused",
                    help="fused: EAGLE-3 low/mid/high features; top: only the last hidden state (ablation)")
+    g.add_argument("--head-init", choices=["random", "target"], default="random",
+                   help="the draft's lm_head and final norm: random (the authors', SpecForge's) or copied from the "
+                        "target (its lm_head rows for the draft vocabulary, its final norm)")
     g.add_argument("--feature-loss-weight", type=float, default=0.0,
                    help="add w * smooth-L1(step-0 draft hidden, target last hidden) (EAGLE/HASS-style ablation)")
     g = p.add_argument_group("training-time test")
@@ -166,7 +169,7 @@ def train_config(args):
         aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features, init_from=args.init_from,
         fc_norm=args.fc_norm, norm_output=args.norm_output, loss_mask_offset=args.loss_mask_offset,
         overwrite=args.overwrite,
-        feature_loss_weight=args.feature_loss_weight, ttt_length=args.ttt_length, step_decay=args.step_decay,
+        feature_loss_weight=args.feature_loss_weight, head_init=args.head_init, ttt_length=args.ttt_length, step_decay=args.step_decay,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
         epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

@@ -13,6 +13,7 @@ from torch import nn
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -58,3 +59,9 @@ def load_target_head(path: str, dtype: torch.dtype, device) -> tuple[object, nn.
     lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False, device="meta")
     lm_head.weight = nn.Parameter(head.to(device, dtype), requires_grad=False)
     return hf_config, embedding, lm_head
+
+
+def load_target_final_norm(path: str) -> torch.Tensor | None:
+    """The target's final RMSNorm weight [H] from its safetensors, or None when it is not found there."""
+    files = _tensor_files(path) if os.path.isdir(path) else {}
+    return _read(files, NORM_NAMES)
