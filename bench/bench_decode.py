@@ -28,10 +28,11 @@ FALLBACK_DEMO_TREE = SpecConfig(3, 2, 6)
 
 
 def demo_tree(draft) -> SpecConfig:
-    """The tree the engine uses by default at batch 1: the draft's tuned profile entry, else 3/2/6."""
+    """The tree the engine uses by default at batch 1: the draft's tuned profile entry (the fastest tree measured
+    where vanilla won), else 3/2/6."""
     from sglang_eagle3.generate_cli import draft_profile
     prof = draft_profile(draft) if draft else None
-    return (prof.for_batch_size(1) if prof else None) or FALLBACK_DEMO_TREE
+    return (prof.measured_tree(1) if prof else None) or FALLBACK_DEMO_TREE
 
 
 def parser():

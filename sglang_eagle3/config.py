@@ -239,10 +239,12 @@ class SpecProfile:
     A batch size without its own entry uses the largest measured one below it (the smallest above it if
     none is below), the routing SGLang applies to its adaptive config."""
 
-    def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = ""):
+    def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
+                 fastest: Optional[dict[int, SpecConfig]] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
+        self.fastest = dict(fastest or {})    # batch size -> fastest measured tree where vanilla won
 
     @classmethod
     def load(cls, path: str) -> "SpecProfile":
@@ -256,23 +258,39 @@ class SpecProfile:
         table = prof.get("per_batch_size") if isinstance(prof, dict) else None
         if not isinstance(table, dict) or not table or not all(str(k).isdigit() for k in table):
             raise ConfigError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
-        out = {}
+        out, fastest = {}, {}
         for k, entry in table.items():
             if entry is None or (isinstance(entry, dict) and entry.get("speculation") is False):
                 out[int(k)] = None
+                best = entry.get("best_tree") if isinstance(entry, dict) else None
+                try:
+                    if isinstance(best, dict):
+                        fastest[int(k)] = SpecConfig(int(best["num_steps"]), int(best["topk"]),
+                                                     int(best["num_draft_tokens"]))
+                except (KeyError, TypeError, ValueError, ConfigError) as e:
+                    raise ConfigError(f"{path}: per_batch_size[{k}].best_tree: not a valid tree ({e})") from None
                 continue
             try:
                 out[int(k)] = SpecConfig(int(entry["num_steps"]), int(entry["topk"]), int(entry["num_draft_tokens"]))
             except (KeyError, TypeError, ValueError, ConfigError) as e:
                 raise ConfigError(f"{path}: per_batch_size[{k}]: not a valid tree ({e})") from None
-        return cls(out, path)
+        return cls(out, path, fastest)
 
-    def for_batch_size(self, batch_size: int) -> Optional[SpecConfig]:
+    def _key(self, batch_size: int) -> int:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         keys = list(self.table)
         below = [k for k in keys if k <= batch_size]
-        return self.table[below[-1] if below else keys[0]]
+        return below[-1] if below else keys[0]
+
+    def for_batch_size(self, batch_size: int) -> Optional[SpecConfig]:
+        """The tree to run at this batch size, or None where vanilla decoding measured faster."""
+        return self.table[self._key(batch_size)]
+
+    def measured_tree(self, batch_size: int) -> Optional[SpecConfig]:
+        """The tree to measure speculation with: the chosen one, else the fastest tree tried (vanilla won)."""
+        key = self._key(batch_size)
+        return self.table[key] or self.fastest.get(key)
 
     def trees(self) -> list[SpecConfig]:
         return [t for t in self.table.values() if t is not None]

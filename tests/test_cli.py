@@ -64,6 +64,26 @@ def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, caps
     assert "spec_profile.json: not valid JSON" in err and "Traceback" not in err
 
 
+def test_profile_where_vanilla_won_measures_with_its_fastest_tree(folders, capsys, tmp_path):
+    import shutil
+    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile
+    target, draft, _ = folders
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    path = tuned / "spec_profile.json"
+    path.write_text(json.dumps({"per_batch_size": {
+        "1": {"speculation": False, "best_tree": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}},
+        "4": {"speculation": False}}}))
+    prof = SpecProfile.load(str(path))
+    assert prof.for_batch_size(1) is None                       # the engine decodes without a draft there
+    assert prof.measured_tree(2) == SpecConfig(2, 1, 3) and prof.measured_tree(8) is None
+    t = run_json(capsys, "--target", target, "--prompt", "w1 w2", "--max-new-tokens", "4", "--draft", str(tuned))["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (2, 1, 3) and "vanilla measured faster" in t["source"]
+    path.write_text(json.dumps({"per_batch_size": {"1": {"speculation": False, "best_tree": {"topk": 1}}}}))
+    with pytest.raises(ConfigError, match="best_tree"):
+        SpecProfile.load(str(path))
+
+
 def test_generate_errors_are_one_line(folders, capsys, tmp_path):
     target, draft, _ = folders
     bad = tmp_path / "bad.jsonl"
