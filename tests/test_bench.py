@@ -369,6 +369,18 @@ def test_ablation_row_reads_the_trainer_summary_next_to_an_exported_draft(tmp_pa
     assert train_summary(str(out / "draft")) is None
 
 
+def test_ablation_per_step_table_lists_every_acc_k():
+    from sglang_eagle3.bench.ablation import per_step_table
+    rows = [{"label": "a", "train": {"final_eval": {"acc_0": 0.5, "acc_1": 0.25, "accept_length": 1.7}}},
+            {"label": "b", "train": None}]
+    md = per_step_table(rows)
+    header = next(l for l in md.splitlines() if l.startswith("| Draft"))
+    assert [c.strip() for c in header.strip("|").split("|")] == ["Draft", "acc_0", "acc_1"]
+    line_a = next(l for l in md.splitlines() if l.startswith("| a"))
+    assert "0.5" in line_a and "0.25" in line_a and "accept_length" not in md
+    assert per_step_table([{"label": "b", "train": None}]) == ""
+
+
 def test_ablation_table_refuses_files_that_are_not_acceptance_results(tmp_path, capsys):
     from sglang_eagle3.bench.ablation import main as ablation_main
     other = tmp_path / "other.json"

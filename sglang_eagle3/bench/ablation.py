@@ -107,7 +107,19 @@ def markdown(table: dict) -> str:
            f"topk={sp.get('topk')} num_draft_tokens={sp.get('num_draft_tokens')}; max_new_tokens="
            f"{st.get('max_new_tokens')}. τ = mean acceptance length (bench_acceptance); held-out acc_0 and "
            f"simulated τ from the trainer's final eval.")
-    return cap + "\n\n" + report.format_table(headers, rows) + "\n"
+    return cap + "\n\n" + report.format_table(headers, rows) + "\n" + per_step_table(table["rows"])
+
+
+def per_step_table(rows: list[dict]) -> str:
+    """Held-out acc_0..acc_k of each row (the trainer's final eval), where the rows have them."""
+    evals = [((r["train"] or {}).get("final_eval") or {}) for r in rows]
+    steps = sorted({int(k[4:]) for ev in evals for k in ev if k.startswith("acc_") and k[4:].isdigit()})
+    if not steps:
+        return ""
+    body = [[r["label"]] + [ev.get(f"acc_{k}") for k in steps] for r, ev in zip(rows, evals)]
+    return ("\nHeld-out accuracy of each draft step (trainer's final eval; acc_k = draft step k predicts the "
+            "target's token given that steps 0..k-1 were right):\n\n"
+            + report.format_table(["Draft"] + [f"acc_{k}" for k in steps], body) + "\n")
 
 
 def run(argv=None) -> int:
