@@ -320,6 +320,12 @@ def test_tables_and_atomic_files(tmp_path):
     path = tmp_path / "sub" / "r.json"
     report.write_json_atomic(str(path), {"x": torch.tensor(3).item(), "y": [1.5]})
     assert json.loads(path.read_text()) == {"x": 3, "y": [1.5]} and os.listdir(path.parent) == ["r.json"]
+    umask = os.umask(0o022)
+    try:
+        report.write_json_atomic(str(path), {"x": 3, "y": [1.5]})
+    finally:
+        os.umask(umask)
+    assert (path.stat().st_mode & 0o777) == 0o644                  # the usual permissions, not mkstemp's 0600
     with pytest.raises(ValueError):
         report.write_json_atomic(str(path), {"bad": float("nan")})
     assert json.loads(path.read_text()) == {"x": 3, "y": [1.5]}            # a failed write leaves the old file
