@@ -210,8 +210,8 @@ def default_draft(args) -> Optional[str]:
     return None
 
 
-def shipped_profile(draft: Optional[str]) -> Optional[str]:
-    """A speculation profile measured for a shipped draft on a CPU (tune_spec.py), if the draft has one."""
+def draft_profile_path(draft: Optional[str]) -> Optional[str]:
+    """The speculation profile stored with a draft (spec_profile.json from tune_spec.py), if it has one."""
     path = os.path.join(draft, "spec_profile.json") if draft else None
     return path if path and os.path.isfile(path) else None
 
@@ -231,7 +231,7 @@ def serve_builtin(args, extra: list[str]) -> int:
     target = resolve_target(args.target)
     draft = default_draft(args)
     profile = None
-    profile_path = args.profile or (shipped_profile(draft) if args.draft is None else None)
+    profile_path = args.profile or draft_profile_path(draft)     # a draft's own profile, however it was named
     explicit = any(getattr(args, k) is not None for k in ("num_steps", "topk", "num_draft_tokens"))
     if draft and profile_path and not explicit:
         try:

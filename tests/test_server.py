@@ -253,3 +253,18 @@ def test_bench_serving_against_live_servers(live, tmp_path, folders):
             assert lv["accept_length"] >= 1.0
     assert "concurrency" in (tmp_path / "serving.md").read_text()
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_builtin_serve_uses_the_drafts_own_profile_when_the_draft_is_named(folders, tmp_path, capsys):
+    import shutil
+    target, draft = folders
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    (tuned / "spec_profile.json").write_text(json.dumps({"per_batch_size": {"1": {"speculation": False}}}))
+    common = ["serve", "--engine", "builtin", "--target", target, "--dtype", "float32", "--dry-run", "--skip-check"]
+    assert eagle3_main([*common, "--draft", str(tuned)]) == 0
+    assert f"adaptive speculation from {tuned / 'spec_profile.json'}" in capsys.readouterr().err
+    assert eagle3_main([*common, "--draft", str(tuned), "--num-steps", "2"]) == 0    # a tree flag wins
+    assert "tree num_steps=2" in capsys.readouterr().err
+    assert eagle3_main([*common, "--draft", draft]) == 0                           # no profile: the fixed tree
+    assert "tree num_steps=" in capsys.readouterr().err
