@@ -443,6 +443,8 @@ def test_real_files_render_with_smollm2(tmp_path):
     from sglang_eagle3.prompts import data_dir
     tok = smollm2_tokenizer()
     root = os.path.join(data_dir(), "train")
+    if not os.path.isdir(root):
+        pytest.skip("shared data not present")
     srcs = [parse_source(os.path.join(root, n)) for n in REAL if n != "sharegpt_prompts.jsonl"]
     stats = prepare_dataset(srcs, tok, str(tmp_path / "ds"), max_length=2048, max_rows=60, progress=False)
     for name, st in stats["sources"].items():

@@ -107,7 +107,10 @@ def test_llamacpp_runs_our_draft_losslessly_and_accepts_its_tokens(target, tmp_p
         text = chat_text(tok, p)
         a = run_speculative(tgg, dgg, text, 40, 3, 2, keep_text=True)
         b = run_speculative(tgg, os.path.join(rdir, "draft.gguf"), text, 40, 3, 2, keep_text=True)
-        assert a["text"] == b["text"]             # whatever the draft, the target's greedy text
+        # whatever the draft, the target's greedy text; llama-speculative-simple may stop a few tokens past -n
+        # when the last step accepts several drafts, so the shorter text must be a prefix of the longer one
+        short, longer = sorted((a["text"].rstrip(), b["text"].rstrip()), key=len)
+        assert short and longer.startswith(short), (a["text"], b["text"])
         trained_acc += a["n_accept"]
         random_acc += b["n_accept"]
     assert trained_acc > random_acc
