@@ -238,6 +238,11 @@ def serve_builtin(args, extra: list[str]) -> int:
             profile = SpecProfile.load(profile_path)
         except ConfigError as e:
             raise UserError(f"--profile: {e}") from None
+    unused = profile is not None and all(tree is None for tree in profile.table.values())
+    if unused:                                    # vanilla won at every batch size: the draft would only cost time
+        print(f"eagle3 serve: {profile_path} chooses no speculation at any batch size; serving without the draft",
+              file=sys.stderr, flush=True)
+        draft, profile = None, None
     spec = SpecConfig(args.num_steps or DEFAULT_SPEC.num_steps, args.topk or DEFAULT_SPEC.topk,
                       args.num_draft_tokens or DEFAULT_SPEC.num_draft_tokens)
     if draft and not args.skip_check:

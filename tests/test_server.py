@@ -262,6 +262,11 @@ def test_builtin_serve_uses_the_drafts_own_profile_when_the_draft_is_named(folde
     shutil.copytree(draft, tuned)
     (tuned / "spec_profile.json").write_text(json.dumps({"per_batch_size": {"1": {"speculation": False}}}))
     common = ["serve", "--engine", "builtin", "--target", target, "--dtype", "float32", "--dry-run", "--skip-check"]
+    assert eagle3_main([*common, "--draft", str(tuned)]) == 0                      # vanilla everywhere: no draft
+    err = capsys.readouterr().err
+    assert "chooses no speculation at any batch size" in err and "builtin engine, no speculation" in err
+    (tuned / "spec_profile.json").write_text(json.dumps({"per_batch_size": {
+        "1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}, "4": {"speculation": False}}}))
     assert eagle3_main([*common, "--draft", str(tuned)]) == 0
     assert f"adaptive speculation from {tuned / 'spec_profile.json'}" in capsys.readouterr().err
     assert eagle3_main([*common, "--draft", str(tuned), "--num-steps", "2"]) == 0    # a tree flag wins
