@@ -233,6 +233,12 @@ class SpecConfig:
 PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
 
 
+def draft_profile_path(draft: Optional[str]) -> Optional[str]:
+    """The speculation profile stored with a draft folder (spec_profile.json from tune_spec.py), if it has one."""
+    path = os.path.join(draft, "spec_profile.json") if draft and draft != "none" else None
+    return path if path and os.path.isfile(path) else None
+
+
 class SpecProfile:
     """Tree shape (or no speculation) per running batch size, from bench/tune_spec.py's profile JSON.
 

@@ -75,9 +75,9 @@ def add_spec_args(p) -> None:
 
 def draft_profile(draft: str | None):
     """The speculation profile stored with a draft (spec_profile.json), or None."""
-    from .config import ConfigError, SpecProfile
-    path = os.path.join(draft, "spec_profile.json") if draft and draft != "none" else None
-    if not path or not os.path.isfile(path):
+    from .config import ConfigError, SpecProfile, draft_profile_path
+    path = draft_profile_path(draft)
+    if path is None:
         return None
     try:
         return SpecProfile.load(path)

@@ -210,14 +210,8 @@ def default_draft(args) -> Optional[str]:
     return None
 
 
-def draft_profile_path(draft: Optional[str]) -> Optional[str]:
-    """The speculation profile stored with a draft (spec_profile.json from tune_spec.py), if it has one."""
-    path = os.path.join(draft, "spec_profile.json") if draft else None
-    return path if path and os.path.isfile(path) else None
-
-
 def serve_builtin(args, extra: list[str]) -> int:
-    from .config import ConfigError, SpecProfile
+    from .config import ConfigError, SpecProfile, draft_profile_path
     from .server import build_state, run_server
     from .testbed import resolve_target
     if extra:
