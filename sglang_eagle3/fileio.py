@@ -17,6 +17,13 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def current_umask() -> int:
+    """The process umask (reading it means setting it, so it is set straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -18,6 +18,9 @@ import tempfile
 import time
 from typing import Any, Iterable, Sequence
 
+from ..fileio import current_umask
+
+
 # ---- numbers ---------------------------------------------------------------------------------
 
 
@@ -101,9 +104,7 @@ def _atomic_write(path: str, write) -> str:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600: give results the usual permissions
+        os.chmod(tmp, 0o666 & ~current_umask())   # mkstemp makes 0600: give results the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from ..fileio import current_umask
+
 
 class FolderError(ValueError):
     """A draft folder whose files cannot be read; the message names the file."""
@@ -132,8 +134,7 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
 
 def _usual_permissions(directory: str) -> None:
     """mkdtemp makes 0700 folders: give the folder and its files what the umask allows (as a plain mkdir would)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     os.chmod(directory, 0o777 & ~umask)
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
