@@ -89,6 +89,8 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x, cos, sin, attend: AttendFn):
         B, T, _ = x.shape
+        if self.fused is not None and not self.training and hasattr(attend, "qkv"):   # rotary inside the kernel
+            return self.fused[1](attend.qkv(self.fused[0](x), cos, sin, self.num_heads, self.num_kv_heads))
         if self.fused is not None and not self.training:
             q, k, v = kernels.split_heads(self.fused[0](x), self.num_heads, self.num_kv_heads)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -151,11 +153,22 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
         self.inv_freq = inv_freq.float()   # a plain attribute: Module.to(bfloat16) must not round RoPE angles
+        self._table = None                 # inference: (cos, sin) [positions, head_dim] per dtype, see forward
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, T] -> cos, sin [B, T, head_dim] (angles in fp32)."""
+        """positions [B, T] -> cos, sin [B, T, head_dim] (angles in fp32). Outside autograd, rows of a table
+        computed once (the same element-wise formula, so the same values) instead of six ops per CPU step."""
         if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
+            self.inv_freq, self._table = self.inv_freq.to(positions.device), None
+        if torch.is_grad_enabled() or positions.device.type != "cpu":    # GPUs: no host sync (CUDA graphs)
+            return self._compute(positions, dtype)
+        t = self._table
+        if t is None or t[0].dtype != dtype or t[0].shape[0] <= int(positions.max()):
+            n = max(4096, 2 * int(positions.max()) + 2)
+            t = self._table = self._compute(torch.arange(n, device=positions.device), dtype)
+        return t[0][positions], t[1][positions]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

@@ -100,11 +100,17 @@ def root_only_tree(root_tokens: torch.Tensor, root_positions: torch.Tensor) -> D
 
 def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new_mask: torch.Tensor, scale: float):
     """attend(q, k, v) for the draft's single layer: store k/v at write_start.. of each row, attend over the
-    row's committed slots plus the uncommitted ones new_mask [B, T, F] allows."""
+    row's committed slots plus the uncommitted ones new_mask [B, T, F] allows. attend.qkv(qkv, cos, sin, nH, nKV)
+    does the same from the fused projection with the rotary embedding inside the kernel (the draft's fast path)."""
     lens = pool.lens[rows]
 
     def attend(q, k, v):
         return K.tree_attention(q, k, v, pool.k[0], pool.v[0], rows, lens, write_start, new_mask, scale)
+
+    def attend_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int):
+        return K.qkv_attention(qkv, cos, sin, num_heads, num_kv_heads, pool.k[0], pool.v[0], rows, lens,
+                               write_start, new_mask, scale)
+    attend.qkv = attend_qkv
     return attend
 
 

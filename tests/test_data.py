@@ -8,7 +8,7 @@ import pytest
 
 from sglang_eagle3.data import (BadRow, ChatRenderer, ChatTemplateError, Conversation, DataError, load_tokenized,
                                 normalise, parse_source, prepare_dataset, read_source, read_stats)
-from sglang_eagle3.data.build import apply_length, iter_tokenized
+from sglang_eagle3.data.build import apply_length, distinct_ngram_ratio, iter_tokenized, loop_start
 
 # ---- tiny tokenizers with the chat templates of common families --------------------------------
 CORPUS = ["Hello there, how are you today?", "I am fine, thanks. What is 2 + 2?", "The answer is 4.",
@@ -342,6 +342,50 @@ def test_length_policy():
     assert apply_length(ids, mask, 5, "truncate") == (ids[:5], mask[:5], True)
     with pytest.raises(BadRow, match="no assistant token within"):
         apply_length(ids, mask, 3, "truncate")
+
+
+def test_distinct_ngram_ratio_flags_loops_only():
+    prose = list(range(100))
+    loop = [1, 2, 3, 4, 5] * 20                      # one 5-token sentence repeated
+    assert distinct_ngram_ratio(prose, [1] * 100) == 1.0
+    assert distinct_ngram_ratio(loop, [1] * 100) == pytest.approx(5 / 93)
+    assert distinct_ngram_ratio(loop, [0] * 100) == 1.0            # prompts never count
+    assert distinct_ngram_ratio(loop[:7], [1] * 7) == 1.0           # shorter than one 8-gram
+    # a repeated prompt with a fresh answer is prose: only assistant tokens are scored
+    assert distinct_ngram_ratio(loop + prose, [0] * 100 + [1] * 100) == 1.0
+
+
+def test_prepare_drops_looping_answers_and_counts_them(tmp_path):
+    from sglang_eagle3.cli import main
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer("chatml").save_pretrained(tok_dir)
+    words = " ".join(f"w{i}" for i in range(60))
+    p = write_jsonl(tmp_path / "sg.jsonl", [
+        {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": words}]},
+        {"conversations": [{"from": "human", "value": "b"}, {"from": "gpt", "value": "I am a loop. " * 40}]},
+    ])
+    out = tmp_path / "ds"
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet",
+                 "--min-distinct-ngrams", "0.5"]) == 0
+    st = read_stats(str(out))
+    assert st["total"]["kept"] == 1 and st["min_distinct_ngrams"] == 0.5
+    assert st["total"]["dropped_by_reason"] == {
+        "looping answer (distinct 8-gram ratio < 0.5)": {"rows": 1, "first_row": "sg.jsonl:2"}}
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "all"), "--quiet"]) == 0
+    assert read_stats(str(tmp_path / "all"))["total"]["kept"] == 2         # off by default
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "x"), "--quiet",
+                 "--min-distinct-ngrams", "2"]) == 2
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "y"), "--quiet",
+                 "--cut-loops"]) == 2
+    # --cut-loops keeps the looping row up to its first repeated 8-gram: no loop left, the answer's start kept
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "cut"), "--quiet",
+                 "--min-distinct-ngrams", "0.5", "--cut-loops"]) == 0
+    st = read_stats(str(tmp_path / "cut"))
+    assert st["total"]["kept"] == 2 and st["total"]["notes"] == {"looping answer cut where the loop begins": 1}
+    ids, mask = list(iter_tokenized(str(tmp_path / "cut")))[1]
+    answer = [t for t, m in zip(ids.tolist(), mask.tolist()) if m]
+    assert distinct_ngram_ratio(ids.tolist(), mask.tolist()) == 1.0 and len(answer) >= 8
+    assert loop_start(ids.tolist(), mask.tolist()) is None
 
 
 # ---- prepared datasets -------------------------------------------------------------------------

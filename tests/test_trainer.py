@@ -283,7 +283,11 @@ def test_init_from_continues_a_draft(setup, tmp_path):
     t = Trainer(cfg)
     got = t.module.draft.state_dict()
     assert all(torch.equal(got[k].float(), v.float()) for k, v in src.state_dict().items())   # same weights + vocab
-    t.run()
+    summary = t.run()
+    evals = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl") if '"eval"' in l]
+    assert [e["step"] for e in evals] == [0, 1]          # the warm start is scored before its first step
+    # lr ~0: one step leaves the weights, so the step-0 score equals the final one (same held-out rows)
+    assert evals[0]["acc_0"] == pytest.approx(summary["final_eval"]["acc_0"], abs=1e-6)
     with pytest.raises(ConfigError, match="fc_norm"):
         Trainer(small_cfg(setup, tmp_path / "c", init_from=first["export"], draft_vocab_size=None, fc_norm=True))
 

@@ -538,28 +538,31 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // ---- bf16 matrix products for few rows (decode, verify, draft): weights packed for AVX-512 BF16 dot products --
 //
-// pack_bf16(W [N, K]) -> P [N/16, K/2, 16, 2]: for output block j and input pair p, the 32 bf16 values
-// W[16j + i, 2p + {0, 1}] (i = 0..15) are one 64-byte vector, so _mm512_dpbf16_ps(acc, P[j, p], x[2p, 2p+1]
-// broadcast) adds both products of the pair into the 16 output lanes of block j: no horizontal sums, weights
-// streamed once per M_TILE rows, fp32 accumulation. N and K are padded to 16 and 2 with zeros.
+// pack_bf16(W [N, K]) -> P [N/32, K/2, 2, 16, 2]: output rows in groups of 32 (two blocks of 16). For group g,
+// input pair p and block b, the 32 bf16 values W[32g + 16b + i, 2p + {0, 1}] (i = 0..15) are one 64-byte vector,
+// so _mm512_dpbf16_ps(acc, P[g, p, b], x[2p, 2p+1] broadcast) adds both products of the pair into the 16 output
+// lanes of block b: no horizontal sums, fp32 accumulation. The kernel reads a group's weights as one sequential
+// stream (the hardware prefetcher keeps up with one stream per core better than with a stream per block), once
+// per call: rows are processed in passes of up to 12 while the group's weights (K * 128 bytes) stay in L2.
+// N and K are padded to 32 and 2 with zeros.
 #if defined(__AVX512BF16__)
 #define E3_BF16DOT 1
 #endif
 
 at::Tensor pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: a [N, K] bfloat16 weight");
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
+  const int64_t N = w.size(0), K = w.size(1), NG = (N + 31) / 32, KP = (K + 1) / 2;
   at::Tensor wc = w.contiguous();
-  at::Tensor out = at::zeros({NB, KP, 16, 2}, w.options());
+  at::Tensor out = at::zeros({NG, KP, 2, 16, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = b0; j < b1; ++j)
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
       for (int64_t p = 0; p < KP; ++p)
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t n = 16 * j + i;
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t n = 32 * g + i;
           if (n >= N) continue;
-          uint16_t* d = dst + ((j * KP + p) * 16 + i) * 2;
+          uint16_t* d = dst + ((g * KP + p) * 32 + i) * 2;
           d[0] = src[n * K + 2 * p];
           d[1] = 2 * p + 1 < K ? src[n * K + 2 * p + 1] : 0;
         }
@@ -569,54 +572,58 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 
 namespace {
 #ifdef E3_BF16DOT
-// rows m0..m0+MT of x against output blocks [j0, j1), NBT blocks at a time: MT x NBT independent accumulator
-// chains hide the dot-product latency (one row alone would otherwise wait on a single chain)
-template <int MT, int NBT>
-inline void dot_tile(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP, int64_t j0, int64_t j1,
-                     const float* bias, at::BFloat16* y, int64_t N, int64_t m0) {
-  int64_t j = j0;
-  for (; j + NBT <= j1; j += NBT) {
-    __m512 acc[NBT][MT];
+// rows m0..m0+MT of x against output group g: 2 x MT accumulator chains, the pair of x values broadcast once
+// for both blocks. The sum over k runs in the same order whatever MT is, so a row's result does not depend on
+// how many rows come with it (decode and verify round alike).
+template <int MT>
+inline void dot_group(const uint16_t* x, int64_t K, const __m512bh* G, int64_t KP, const float* bias,
+                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
+  __m512 acc[2][MT];
 #pragma GCC unroll 16
-    for (int b = 0; b < NBT; ++b)
+  for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m512bh w0 = G[2 * p], w1 = G[2 * p + 1];
+    _mm_prefetch(reinterpret_cast<const char*>(G + 2 * p + 32), _MM_HINT_T0);     // 2 KB ahead in the stream
 #pragma GCC unroll 16
-      for (int t = 0; t < MT; ++t) acc[b][t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < KP; ++p) {
-      __m512bh xb[MT];
-#pragma GCC unroll 16
-      for (int t = 0; t < MT; ++t) {
-        uint32_t pair;
-        std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
-        xb[t] = (__m512bh)_mm512_set1_epi32((int)pair);
-      }
-#pragma GCC unroll 16
-      for (int b = 0; b < NBT; ++b) {
-        const __m512bh w = P[(j + b) * KP + p];
-#pragma GCC unroll 16
-        for (int t = 0; t < MT; ++t) acc[b][t] = _mm512_dpbf16_ps(acc[b][t], w, xb[t]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int b = 0; b < NBT; ++b) {
-      const int64_t n0 = 16 * (j + b), valid = std::min<int64_t>(16, N - n0);
-      const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
-      const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-      for (int t = 0; t < MT; ++t) {
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][t], bv));    // round to nearest even
-        _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + (m0 + t) * N + n0), keep, h);
-      }
+    for (int t = 0; t < MT; ++t) {
+      uint32_t pair;
+      std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xb);
+      acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xb);
     }
   }
-  if (j < j1) dot_tile<MT, 1>(x, K, P, KP, j, j1, bias, y, N, m0);
+#pragma GCC unroll 2
+  for (int b = 0; b < 2; ++b) {
+    const int64_t nb = n0 + 16 * b, valid = std::min<int64_t>(16, N - nb);
+    if (valid <= 0) break;
+    const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + nb) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; ++t) {
+      __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][t], bv));    // round to nearest even
+      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + (m0 + t) * N + nb), keep, h);
+    }
+  }
 }
 
-// MT rows: as many blocks per pass as keep ~16 chains in registers
-template <int MT>
-inline void dot_rows(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP, int64_t j0, int64_t j1,
-                     const float* bias, at::BFloat16* y, int64_t N, int64_t m0) {
-  constexpr int NBT = MT <= 2 ? 2 : 1;
-  dot_tile<MT, NBT>(x, K, P, KP, j0, j1, bias, y, N, m0);
+inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh* G, int64_t KP, const float* bias,
+                     at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
+  switch (rows) {
+    case 12: return dot_group<12>(x, K, G, KP, bias, y, N, n0, m0);
+    case 11: return dot_group<11>(x, K, G, KP, bias, y, N, n0, m0);
+    case 10: return dot_group<10>(x, K, G, KP, bias, y, N, n0, m0);
+    case 9: return dot_group<9>(x, K, G, KP, bias, y, N, n0, m0);
+    case 8: return dot_group<8>(x, K, G, KP, bias, y, N, n0, m0);
+    case 7: return dot_group<7>(x, K, G, KP, bias, y, N, n0, m0);
+    case 6: return dot_group<6>(x, K, G, KP, bias, y, N, n0, m0);
+    case 5: return dot_group<5>(x, K, G, KP, bias, y, N, n0, m0);
+    case 4: return dot_group<4>(x, K, G, KP, bias, y, N, n0, m0);
+    case 3: return dot_group<3>(x, K, G, KP, bias, y, N, n0, m0);
+    case 2: return dot_group<2>(x, K, G, KP, bias, y, N, n0, m0);
+    case 1: return dot_group<1>(x, K, G, KP, bias, y, N, n0, m0);
+    default: return;
+  }
 }
 #endif
 }  // namespace
@@ -625,9 +632,10 @@ inline void dot_rows(const uint16_t* x, int64_t K, const __m512bh* P, int64_t KP
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
 #ifdef E3_BF16DOT
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-              packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_bf16: x [M, K] and a packed weight");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
-  TORCH_CHECK((K + 1) / 2 == KP && (N + 15) / 16 == NB, "linear_bf16: weight packed for another shape");
+              packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 2,
+              "linear_bf16: x [M, K] and a packed weight");
+  const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == KP && (N + 31) / 32 == NG, "linear_bf16: weight packed for another shape");
   at::Tensor xc = x.contiguous();
   if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});
   const int64_t Kx = xc.size(1);
@@ -638,24 +646,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const __m512bh* P = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, NB, 8, [&](int64_t j0, int64_t j1) {
-    for (int64_t jj = j0; jj < j1; jj += 8) {              // 8 output blocks at a time: their weights stay in L2
-      const int64_t je = std::min(jj + 8, j1);
-      int64_t m0 = 0;
-      for (; m0 + 16 <= M; m0 += 16) dot_rows<16>(xp, Kx, P, KP, jj, je, bp, yp, N, m0);
-      if (M - m0 >= 12) { dot_rows<12>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 12; }
-      if (M - m0 >= 8) { dot_rows<8>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); m0 += 8; }
-      switch (M - m0) {
-        case 7: dot_rows<7>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 6: dot_rows<6>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 5: dot_rows<5>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 4: dot_rows<4>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 3: dot_rows<3>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 2: dot_rows<2>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        case 1: dot_rows<1>(xp, Kx, P, KP, jj, je, bp, yp, N, m0); break;
-        default: break;
-      }
-    }
+  // passes of up to 12 rows, as even as possible (16 rows: 8 + 8, not 12 + 4)
+  const int64_t passes = (M + 11) / 12, per_pass = (M + passes - 1) / passes;
+  at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+        dot_rows(std::min(per_pass, M - m0), xp, Kx, P + g * KP * 2, KP, bp, yp, N, 32 * g, m0);
   });
   return y;
 #else

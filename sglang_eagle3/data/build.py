@@ -67,10 +67,34 @@ def apply_length(ids: list[int], mask: list[int], max_length: Optional[int], pol
     return ids, mask, True
 
 
+def distinct_ngram_ratio(ids: list[int], mask: list[int], n: int = 8) -> float:
+    """Distinct n-grams / all n-grams over the assistant tokens: ~1 for prose, < 0.5 for an answer stuck in a loop
+    (small greedy targets often repeat one sentence until max_new_tokens). Answers shorter than n tokens -> 1."""
+    answer = [t for t, m in zip(ids, mask) if m]
+    grams = [tuple(answer[i:i + n]) for i in range(len(answer) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def loop_start(ids: list[int], mask: list[int], n: int = 8) -> Optional[int]:
+    """Index in `ids` where the answers first repeat an n-gram they already said (the loop begins), or None."""
+    answer_pos = [i for i, m in enumerate(mask) if m]
+    answer = [ids[i] for i in answer_pos]
+    seen = set()
+    for j in range(len(answer) - n + 1):
+        gram = tuple(answer[j:j + n])
+        if gram in seen:
+            return answer_pos[j]
+        seen.add(gram)
+    return None
+
+
 def encode_sources(sources: list[Source], renderer: ChatRenderer, max_length: Optional[int] = None,
                    length_policy: str = "truncate", skip_template_errors: bool = False,
-                   max_rows: Optional[int] = None, stats: Optional[dict] = None, progress: bool = True):
-    """Yield training examples {input_ids, loss_mask, id, source}; fills stats[source name] = SourceStats."""
+                   max_rows: Optional[int] = None, stats: Optional[dict] = None, progress: bool = True,
+                   min_distinct_ngrams: Optional[float] = None, cut_loops: bool = False):
+    """Yield training examples {input_ids, loss_mask, id, source}; fills stats[source name] = SourceStats.
+    min_distinct_ngrams: rows whose answers repeat themselves (see `distinct_ngram_ratio`) are dropped, or with
+    cut_loops kept up to where the loop begins (the answer so far is still the target's own)."""
     from tqdm import tqdm
 
     if length_policy not in LENGTH_POLICIES:
@@ -103,6 +127,13 @@ def encode_sources(sources: list[Source], renderer: ChatRenderer, max_length: Op
             if not any(mask):
                 st.drop("no assistant token after rendering", number)
                 continue
+            if min_distinct_ngrams is not None and distinct_ngram_ratio(ids, mask) < min_distinct_ngrams:
+                cut = loop_start(ids, mask) if cut_loops else None
+                if cut is None or not any(mask[:cut]):
+                    st.drop(f"looping answer (distinct 8-gram ratio < {min_distinct_ngrams})", number)
+                    continue
+                ids, mask = ids[:cut], mask[:cut]
+                st.notes["looping answer cut where the loop begins"] += 1
             st.kept += 1
             st.truncated += truncated
             st.notes.update(item.notes)
@@ -164,6 +195,7 @@ def publish_dir(tmp: str, out: str, overwrite: bool) -> None:
 
 def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: Optional[int] = None,
                     length_policy: str = "truncate", merge_system: bool = False, tool_role: str = "tool",
+                    min_distinct_ngrams: Optional[float] = None, cut_loops: bool = False,
                     skip_template_errors: bool = False, max_rows: Optional[int] = None, overwrite: bool = False,
                     target_vocab_size: Optional[int] = None, extra_stats: Optional[dict] = None,
                     progress: bool = True) -> dict:
@@ -178,7 +210,7 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
     per_source: dict[str, SourceStats] = {}
     try:
         examples = encode_sources(sources, renderer, max_length, length_policy, skip_template_errors, max_rows,
-                                  per_source, progress)
+                                  per_source, progress, min_distinct_ngrams, cut_loops)
         rows = write_examples(os.path.join(tmp, DATA_FILE), examples)
         if rows == 0:
             reasons = Counter()
@@ -201,6 +233,7 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
                  "sources": {name: st.as_dict() for name, st in per_source.items()},
                  "target_tokenizer": renderer.name, "target_vocab_size": target_vocab_size or len(tokenizer),
                  "max_length": max_length, "length_policy": length_policy, "merge_system": merge_system,
+                 "min_distinct_ngrams": min_distinct_ngrams, "cut_loops": cut_loops,
                  "tool_role": tool_role, **(extra_stats or {})}
         write_json(os.path.join(tmp, STATS_FILE), stats)
         publish_dir(tmp, out, overwrite)

@@ -39,6 +39,12 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-template-errors", action="store_true",
                    help="skip (and count) conversations the chat template rejects instead of stopping")
     p.add_argument("--max-rows", type=int, default=None, help="read at most this many rows per input")
+    p.add_argument("--min-distinct-ngrams", type=float, default=None, metavar="RATIO",
+                   help="drop rows whose answer repeats itself: distinct/all 8-grams of the assistant tokens below "
+                        "RATIO (0.5 catches answers stuck in a loop; default: keep every row)")
+    p.add_argument("--cut-loops", action="store_true",
+                   help="with --min-distinct-ngrams: keep a looping row up to where its loop begins (its first "
+                        "repeated 8-gram) instead of dropping it")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="also build the draft vocab (draft_vocab.safetensors) of this size in --out")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -50,11 +56,16 @@ def run_prepare(args) -> int:
     from .formats import parse_sources
     if args.max_length is not None and args.max_length < 2:
         raise DataError(f"--max-length must be >= 2, got {args.max_length}")
+    if args.min_distinct_ngrams is not None and not 0 < args.min_distinct_ngrams <= 1:
+        raise DataError(f"--min-distinct-ngrams must be in (0, 1], got {args.min_distinct_ngrams}")
+    if args.cut_loops and args.min_distinct_ngrams is None:
+        raise DataError("--cut-loops needs --min-distinct-ngrams (which rows count as looping)")
     sources = parse_sources(args.inputs, args.format)
     tok, vocab = load_target_tokenizer(args.target)
     stats = prepare_dataset(sources, tok, args.out, max_length=args.max_length, length_policy=args.length_policy,
                             merge_system=args.merge_system, tool_role=args.tool_role,
                             skip_template_errors=args.skip_template_errors, max_rows=args.max_rows,
+                            min_distinct_ngrams=args.min_distinct_ngrams, cut_loops=args.cut_loops,
                             overwrite=args.overwrite, target_vocab_size=vocab, progress=not args.quiet,
                             extra_stats={"target": args.target, "inputs": args.inputs})
     print(format_stats(stats))

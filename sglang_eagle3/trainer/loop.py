@@ -373,6 +373,15 @@ class Trainer:
         m["rows"] = int(acc[2 * K + 3])
         return m
 
+    def _log_eval(self, step: int, logger, bar) -> dict:
+        rec = {"step": step, "split": "eval", "tokens_seen": self.tokens_seen, **self.evaluate()}
+        if logger:
+            logger.log(rec)
+            bar.write(f"eval @ {step}: loss {rec['loss']:.4f} " + " ".join(
+                f"acc_{k} {rec[f'acc_{k}']:.3f}" for k in range(self.cfg.ttt_length)) +
+                f" accept_len {rec['accept_length']:.3f}")
+        return rec
+
     # ---- checkpoints -----------------------------------------------------------------------------
     def _state(self, step: int) -> dict:
         c = self.cfg
@@ -474,6 +483,8 @@ class Trainer:
         win = torch.zeros(2 * K + 4, dtype=torch.float64)       # counters, loss sum, tokens
         win_steps, win_time, total_tokens, total_time = 0, 0.0, 0, 0.0
         last_eval = None
+        if start == 0 and cfg.init_from and len(self.eval_idx):
+            self._log_eval(0, logger, bar)       # the warm start's own score on this run's held-out rows
         self.backend.train(True)
         for step in range(start, self.total_steps):
             t0 = time.perf_counter()
@@ -504,12 +515,7 @@ class Trainer:
                 win.zero_()
                 win_steps, win_time = 0, 0.0
             if len(self.eval_idx) and (done % cfg.eval_every == 0 or done == self.total_steps):
-                last_eval = {"step": done, "split": "eval", "tokens_seen": self.tokens_seen, **self.evaluate()}
-                if logger:
-                    logger.log(last_eval)
-                    bar.write(f"eval @ {done}: loss {last_eval['loss']:.4f} " + " ".join(
-                        f"acc_{k} {last_eval[f'acc_{k}']:.3f}" for k in range(K)) +
-                        f" accept_len {last_eval['accept_length']:.3f}")
+                last_eval = self._log_eval(done, logger, bar)
             if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
                 self.save_checkpoint(done)
             bar.update(1)
