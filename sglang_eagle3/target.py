@@ -82,6 +82,7 @@ class TargetModel(nn.Module):
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_model.lm_head                      # the module (training reads it); decoding uses:
         self.lm_head_packed = K.PackedLinear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
+        self._layer_step_ok: dict[str, bool] = {}          # kernel mode -> csrc's layer_step serves decode steps
         self.requires_grad_(False)
 
     @classmethod
@@ -125,11 +126,24 @@ class TargetModel(nn.Module):
         if rows is None:
             rows = torch.arange(B, device=input_ids.device)
         cache.check_room(rows, T)
-        attend = self._attention(cache, rows, T, tree_mask, num_new)
         x = self.embed_tokens(input_ids)                                             # [B, T, H] residual stream
         cos, sin = self.rotary_emb(x, positions)                                     # [B, T, D]
-        nq = self.num_heads * self.head_dim
         captured, delta = {}, None
+        if self._fused_layers_apply(x, T, tree_mask):      # one C++ call per layer (decode, verify, draft trees)
+            lens, new_mask = cache.lens[rows].clone(), tree_new_mask(B, T, rows.device, tree_mask).contiguous()
+            cos, sin = cos.contiguous(), sin.contiguous()
+            step, scale = K.extension().layer_step, self.head_dim ** -0.5
+            for i, layer in enumerate(self.layers):
+                cap = want_aux and i in self.capture_at
+                out = step(x, delta, cap, layer.input_norm.weight, layer.post_norm.weight, layer.eps,
+                           layer.wqkv.small, layer.wqkv.out_features, layer.wqkv.bias32, layer.wo.small, layer.wo.bias32,
+                           layer.w_gate_up.small, layer.w_gate_up.out_features, layer.w_down.small, cos, sin,
+                           self.num_heads, self.num_kv_heads, cache.k[i], cache.v[i], rows, lens, lens, new_mask, scale)
+                delta = out[0]
+                if cap:
+                    captured[i] = out[1]
+            return self._finish(x, delta, logit_index, captured, want_aux)
+        attend = self._attention(cache, rows, T, tree_mask, num_new)
         for i, layer in enumerate(self.layers):
             w = layer.input_norm.weight
             h = K.rms_norm(x, w, layer.eps) if delta is None else K.add_rms_norm(x, delta, w, layer.eps)   # x += delta
@@ -138,6 +152,24 @@ class TargetModel(nn.Module):
             o = attend(i, layer, layer.wqkv(h), cos, sin)                            # [B, T, nH * D]
             h = K.add_rms_norm(x, layer.wo(o), layer.post_norm.weight, layer.eps)    # x += attention
             delta = layer.w_down(K.silu_and_mul(layer.w_gate_up(h)))
+        return self._finish(x, delta, logit_index, captured, want_aux)
+
+    def _fused_layers_apply(self, x: torch.Tensor, T: int, tree_mask) -> bool:
+        """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every linear packed for the
+        few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill)."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] * T > K.SMALL_M or \
+                (T > PREFILL_T and tree_mask is None):
+            return False
+        ok = self._layer_step_ok.get(K.mode())
+        if ok is None:                                     # the weights never change: decide once per kernel mode
+            ext = K.extension()
+            ok = self._layer_step_ok[K.mode()] = ext is not None and hasattr(ext, "layer_step") and \
+                all(lin.small is not None for layer in self.layers
+                    for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)) and \
+                all(layer.q_norm is None and layer.input_norm.weight.dtype == torch.bfloat16 for layer in self.layers)
+        return ok
+
+    def _finish(self, x, delta, logit_index, captured: dict, want_aux: bool) -> TargetOutput:
         last = K.add_rms_norm(x, delta, self.norm.weight, self.final_eps)
         h = last if logit_index is None else torch.gather(last, 1, logit_index.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
         captured[self.num_layers] = last            # id L-1: HF's last hidden state, after the norm ('top' ablation)

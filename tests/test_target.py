@@ -184,3 +184,32 @@ def test_packed_linear_paths_agree():
             assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
             if M > 1 and M <= K.SMALL_M and lin.small is not None:
                 assert torch.equal(lin(x[:1]), lin(x)[:1])                # row-invariant
+
+
+def test_fused_layer_step_equals_the_step_by_step_path():
+    """bf16 decode and tree-verify forwards through csrc's layer_step (one C++ call per layer) give exactly the
+    logits, features and KV entries of the layer-by-layer path: the same kernels in the same order."""
+    from sglang_eagle3 import kernels as K
+    tm, _ = tiny_target("llama", dtype=torch.bfloat16)
+    if not tm._fused_layers_apply(torch.zeros(1, 1, tm.hidden_size, dtype=torch.bfloat16), 1, None):
+        pytest.skip("csrc's bf16 kernels are not available on this CPU")
+    prompt, parents, tokens = [3, 1, 4, 1, 5, 9, 2], [-1, 0, 0, 1], [6, 20, 21, 30]
+    depth = torch.tensor([[7, 8, 8, 9]])
+    results = []
+    for fused in (True, False):
+        tm._layer_step_ok[K.mode()] = fused
+        cache = tm.new_cache(2, 32)
+        tm(cache, torch.tensor([prompt, prompt]), torch.arange(7).expand(2, 7))
+        cache.commit_prefix(torch.arange(2), torch.tensor([7, 7]))
+        tree = tm(cache, torch.tensor([tokens, tokens[::-1]]), depth.expand(2, 4),
+                  tree_mask=tree_mask_of(parents).expand(2, 4, 4))
+        cache.commit(torch.arange(2), torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 2]))
+        one = tm(cache, torch.tensor([[77], [78]]), torch.tensor([[9], [9]]))
+        results.append((tree.logits, tree.aux_hidden_states, one.logits, one.aux_hidden_states,
+                        cache.k.clone() if torch.is_tensor(cache.k) else [k.clone() for k in cache.k]))
+    del tm._layer_step_ok[K.mode()]
+    for a, b in zip(*results):
+        if isinstance(a, list):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        else:
+            assert torch.equal(a, b)
