@@ -81,7 +81,7 @@ regenerate: $(STAMP)  ## every training prompt answered by the embedded target i
 	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
 	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows 300 --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
 
-data: $(STAMP)  ## tokenize the regenerated conversations (rows up to MAX_LEN tokens, none cut) + draft vocab
+data: $(STAMP)  ## tokenize the regenerated answers (rows up to MAX_LEN tokens; LOOPS=cut|drop|keep) + draft vocab
 	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done
 	$(BIN)/eagle3 prepare-data $(REGEN_OUT) --target testbed --out $(DATA_OUT) --max-length $(MAX_LEN) \
 	    --length-policy drop --draft-vocab-size 8192 $(LOOP_FLAGS) --overwrite

@@ -107,7 +107,8 @@ SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (d
 class PackedLinear:
     """y = x @ W^T + b with W [N, K], decided when built (set_mode before loading a model):
     bf16 on a CPU with AVX-512 BF16: up to SMALL_M rows, csrc's dot-product kernel over weights packed for it
-    (~68 GB/s at one row on 2 cores, and a row's result does not depend on how many rows come with it);
+    (45-70 GB/s at one row on 2 cores here, depending on the host's load; a row's result does not depend on how
+    many rows come with it);
     more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
     Otherwise F.linear on the weight itself."""
 
