@@ -128,38 +128,47 @@ def run(argv=None) -> int:
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = [(name, t[0]) for name, path in sets.items() for t in load_prompts(path, limit=a.n)]
     tgg, dgg = ensure_ggufs(target, draft)
-    van_tps = vanilla_decode_tps(target, a.threads, a.max_new_tokens)
     eng = load_engine(target, draft, SpecConfig(1, 1, 2), a.dtype)
     tok = eng.tokenizer
     vanilla = SpeculativeEngine(eng.target, None)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     chats = [[{"role": "user", "content": p}] for _, p in prompts]
     vanilla.generate(chats[:1], SamplingParams(max_new_tokens=8))
-    ours_van = [vanilla.generate([c], params)[1] for c in chats]
-    ours_van_tps = statistics.median(s.generated_tokens / s.total_time for s in ours_van)
-    result = {"format": "sglang_eagle3.bench_llamacpp/1", "target": target, "draft": draft, "target_gguf": tgg,
+    result = {"format": "sglang_eagle3.bench_llamacpp/2", "target": target, "draft": draft, "target_gguf": tgg,
               "draft_gguf": dgg, "threads": a.threads, "max_new_tokens": a.max_new_tokens, "prompts": len(prompts),
-              "llamacpp_vanilla": van_tps, "ours_vanilla_tokens_per_s": ours_van_tps, "rows": [],
-              "meta": report.run_metadata()}
+              "rows": [], "meta": report.run_metadata(),
+              "note": "each row measures its own vanilla beside it: llama-bench right before llama.cpp's speculative "
+                      "runs; ours alternated with the speculative run prompt by prompt (speed-up = median of the "
+                      "per-prompt ratios). The host's speed drifts; rows are comparable within themselves."}
+    tps = lambda st: st.generated_tokens / st.total_time          # noqa: E731
     for n in lengths:
+        van_tps = vanilla_decode_tps(target, a.threads, a.max_new_tokens)       # llama.cpp vanilla, beside this row
         lc = [run_speculative(tgg, dgg, chat_text(tok, p), a.max_new_tokens, n, a.threads) for _, p in prompts]
         drafted, accepted = sum(x["n_drafted"] or 0 for x in lc), sum(x["n_accept"] or 0 for x in lc)
         steps = sum((x["n_predict"] or 0) - (x["n_accept"] or 0) for x in lc)
         lc_tps = statistics.median(x["decode_tps"] for x in lc if x["decode_tps"])
         spec = SpeculativeEngine(eng.target, eng.draft, SpecConfig(n, 1, n + 1))
         spec.generate(chats[:1], SamplingParams(max_new_tokens=8))
-        ours = [spec.generate([c], params)[1] for c in chats]
+        ours, ours_van = [], []
+        for i, c in enumerate(chats):                                  # alternate who goes first
+            order = [(ours_van, vanilla), (ours, spec)]
+            for sink, e in (order if i % 2 == 0 else order[::-1]):
+                sink.append(e.generate([c], params)[1])
         o_tokens, o_steps = sum(s.generated_tokens - 1 for s in ours), sum(s.verify_steps - 1 for s in ours)
-        ours_tps = statistics.median(s.generated_tokens / s.total_time for s in ours)
         row = {"draft_length": n, "llamacpp_drafted": drafted, "llamacpp_accepted": accepted,
                "llamacpp_accept_rate": report.safe_div(accepted, drafted),
                "llamacpp_tau": report.safe_div(accepted + steps, steps), "llamacpp_tokens_per_s": lc_tps,
+               "llamacpp_vanilla_tokens_per_s": van_tps.get("tokens_per_s"),
                "llamacpp_speedup": report.safe_div(lc_tps, van_tps.get("tokens_per_s")),
                "ours_tau": o_tokens / o_steps, "ours_accept_rate": (o_tokens - o_steps) / (n * o_steps),
-               "ours_tokens_per_s": ours_tps, "ours_speedup": ours_tps / ours_van_tps}
+               "ours_tokens_per_s": statistics.median(map(tps, ours)),
+               "ours_vanilla_tokens_per_s": statistics.median(map(tps, ours_van)),
+               "ours_speedup": statistics.median(tps(s) / tps(v) for s, v in zip(ours, ours_van))}
         result["rows"].append(row)
+        result["llamacpp_vanilla"] = van_tps
         print(f"draft length {n}: llama.cpp accepted {accepted}/{drafted} (τ {row['llamacpp_tau']:.2f}, "
-              f"{lc_tps:.1f} tok/s); ours τ {row['ours_tau']:.2f}, {ours_tps:.1f} tok/s", file=sys.stderr, flush=True)
+              f"{lc_tps:.1f} tok/s); ours τ {row['ours_tau']:.2f}, {row['ours_tokens_per_s']:.1f} tok/s",
+              file=sys.stderr, flush=True)
         report.write_json_atomic(a.out, result)
     text = render(result)
     print(text)
@@ -170,18 +179,20 @@ def run(argv=None) -> int:
 
 
 def render(r: dict) -> str:
-    van = r["llamacpp_vanilla"].get("tokens_per_s")
-    head = ["draft length", "llama.cpp accepted/drafted", "llama.cpp τ", "llama.cpp tok/s", "llama.cpp speed-up",
-            "ours τ", "ours tok/s", "ours speed-up"]
+    head = ["draft length", "llama.cpp accepted/drafted", "llama.cpp τ", "llama.cpp vanilla tok/s", "llama.cpp tok/s",
+            "llama.cpp speed-up", "ours τ", "ours vanilla tok/s", "ours tok/s", "ours speed-up"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"           # noqa: E731
     rows = [[x["draft_length"], f"{x['llamacpp_accepted']:.0f}/{x['llamacpp_drafted']:.0f} "
                                 f"({100 * (x['llamacpp_accept_rate'] or 0):.0f}%)",
-             f"{x['llamacpp_tau']:.2f}", f"{x['llamacpp_tokens_per_s']:.1f}", report.fmt_speedup(x["llamacpp_speedup"]),
-             f"{x['ours_tau']:.2f}", f"{x['ours_tokens_per_s']:.1f}", f"{x['ours_speedup']:.2f}x"] for x in r["rows"]]
+             f"{x['llamacpp_tau']:.2f}", fmt(x.get("llamacpp_vanilla_tokens_per_s")), f"{x['llamacpp_tokens_per_s']:.1f}",
+             report.fmt_speedup(x["llamacpp_speedup"]), f"{x['ours_tau']:.2f}", fmt(x.get("ours_vanilla_tokens_per_s")),
+             f"{x['ours_tokens_per_s']:.1f}", f"{x['ours_speedup']:.2f}x"] for x in r["rows"]]
     best_lc = max(r["rows"], key=lambda x: x["llamacpp_tokens_per_s"])
     best_ours = max(r["rows"], key=lambda x: x["ours_tokens_per_s"])
     return (f"llama.cpp (pinned, bf16 GGUF, {r['threads']} threads) vs our engine, batch 1, greedy, "
             f"{r['prompts']} prompts x {r['max_new_tokens']} tokens; draft {r['draft']}\n"
-            f"vanilla: llama.cpp {van:.1f} tok/s (llama-bench), ours {r['ours_vanilla_tokens_per_s']:.1f} tok/s\n\n"
+            "each row's vanilla measured beside it (llama.cpp: llama-bench tg right before; ours: alternated per "
+            "prompt, speed-up = median of per-prompt ratios)\n\n"
             + report.format_table(head, rows) +
             f"\n\nFastest: llama.cpp {best_lc['llamacpp_tokens_per_s']:.1f} tok/s (draft length "
             f"{best_lc['draft_length']}), ours {best_ours['ours_tokens_per_s']:.1f} tok/s (chain of "
@@ -197,8 +208,10 @@ def plot(r: dict, path: str) -> str:
     ax1.legend()
     ax2.plot(n, [x["llamacpp_tokens_per_s"] for x in r["rows"]], "o-", label="llama.cpp + draft")
     ax2.plot(n, [x["ours_tokens_per_s"] for x in r["rows"]], "s-", label="ours + draft")
-    ax2.axhline(r["llamacpp_vanilla"].get("tokens_per_s") or 0, ls="--", color="C0", label="llama.cpp vanilla")
-    ax2.axhline(r["ours_vanilla_tokens_per_s"], ls="--", color="C1", label="ours vanilla")
+    ax2.plot(n, [x.get("llamacpp_vanilla_tokens_per_s") or 0 for x in r["rows"]], "o--", color="C0",
+             label="llama.cpp vanilla (beside)")
+    ax2.plot(n, [x.get("ours_vanilla_tokens_per_s") or 0 for x in r["rows"]], "s--", color="C1",
+             label="ours vanilla (beside)")
     ax2.set(xlabel="draft length (chain)", ylabel="tokens/s", title="Decode speed, batch 1")
     ax2.legend(fontsize=7)
     return report.save_figure(fig, path)
