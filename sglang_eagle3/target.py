@@ -130,7 +130,7 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary_emb(x, positions)                                     # [B, T, D]
         captured, delta = {}, None
         if self._fused_layers_apply(x, T, tree_mask):      # one C++ call per layer (decode, verify, draft trees)
-            lens, new_mask = cache.lens[rows].clone(), tree_new_mask(B, T, rows.device, tree_mask).contiguous()
+            lens, new_mask = self._pool_slots(cache, rows, T, tree_mask)
             cos, sin = cos.contiguous(), sin.contiguous()
             step, scale = K.extension().layer_step, self.head_dim ** -0.5
             for i, layer in enumerate(self.layers):
@@ -158,7 +158,7 @@ class TargetModel(nn.Module):
         """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every linear packed for the
         few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill)."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] * T > K.SMALL_M or \
-                (T > PREFILL_T and tree_mask is None):
+                not self._over_pool(T, tree_mask):
             return False
         ok = self._layer_step_ok.get(K.mode())
         if ok is None:                                     # the weights never change: decide once per kernel mode
@@ -179,11 +179,10 @@ class TargetModel(nn.Module):
     def _attention(self, cache: KVPool, rows, T, tree_mask, num_new):
         """attend(layer index, layer, qkv [B, T, W], cos, sin) -> [B, T, nH * D] for this forward: the pool kernel
         for few new tokens (rotary embedding fused in), SDPA per row for prefill."""
-        lens = cache.lens[rows].clone()
         scale, nH, nKV = self.head_dim ** -0.5, self.num_heads, self.num_kv_heads
         B = len(rows)
-        if T <= PREFILL_T or tree_mask is not None:
-            new_mask = tree_new_mask(B, T, rows.device, tree_mask)
+        if self._over_pool(T, tree_mask):
+            lens, new_mask = self._pool_slots(cache, rows, T, tree_mask)
 
             def attend(i, layer, qkv, cos, sin):
                 if layer.q_norm is None:
@@ -194,12 +193,22 @@ class TargetModel(nn.Module):
                 return o.transpose(1, 2).reshape(B, T, -1)
             return attend
         counts = [T] * B if num_new is None else num_new.tolist()
-        starts = lens.tolist()
+        starts = cache.lens[rows].tolist()
 
         def attend_prefill(i, layer, qkv, cos, sin):
             q, k, v = self._heads(layer, qkv, cos, sin)
             return prefill_attention(cache, i, rows, starts, counts, q, k, v, scale).transpose(1, 2).reshape(B, T, -1)
         return attend_prefill
+
+    @staticmethod
+    def _over_pool(T: int, tree_mask) -> bool:
+        """Few new tokens (decode, verify, a draft tree) attend over the KV pool; longer causal inputs are a prefill."""
+        return T <= PREFILL_T or tree_mask is not None
+
+    @staticmethod
+    def _pool_slots(cache: KVPool, rows, T: int, tree_mask):
+        """(lens [B]: committed slots per row, new_mask [B, T, T]: what each new token sees among the new ones)."""
+        return cache.lens[rows].clone(), tree_new_mask(len(rows), T, rows.device, tree_mask).contiguous()
 
     def _heads(self, layer, qkv, cos, sin):
         """q [B, nH, T, D], k, v [B, nKV, T, D] with the rotary embedding (and Qwen3's q/k norms) applied."""

@@ -165,7 +165,6 @@ def run(argv=None) -> int:
                "ours_vanilla_tokens_per_s": statistics.median(map(tps, ours_van)),
                "ours_speedup": statistics.median(tps(s) / tps(v) for s, v in zip(ours, ours_van))}
         result["rows"].append(row)
-        result["llamacpp_vanilla"] = van_tps
         print(f"draft length {n}: llama.cpp accepted {accepted}/{drafted} (τ {row['llamacpp_tau']:.2f}, "
               f"{lc_tps:.1f} tok/s); ours τ {row['ours_tau']:.2f}, {row['ours_tokens_per_s']:.1f} tok/s",
               file=sys.stderr, flush=True)

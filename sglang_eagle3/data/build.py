@@ -67,23 +67,27 @@ def apply_length(ids: list[int], mask: list[int], max_length: Optional[int], pol
     return ids, mask, True
 
 
+def answer_ngrams(ids: list[int], mask: list[int], n: int = 8) -> tuple[list[int], list[tuple]]:
+    """(positions in `ids` of the assistant tokens, their n-grams in order: gram j starts at positions[j])."""
+    positions = [i for i, m in enumerate(mask) if m]
+    answer = [ids[i] for i in positions]
+    return positions, [tuple(answer[j:j + n]) for j in range(len(answer) - n + 1)]
+
+
 def distinct_ngram_ratio(ids: list[int], mask: list[int], n: int = 8) -> float:
     """Distinct n-grams / all n-grams over the assistant tokens: ~1 for prose, < 0.5 for an answer stuck in a loop
     (small greedy targets often repeat one sentence until max_new_tokens). Answers shorter than n tokens -> 1."""
-    answer = [t for t, m in zip(ids, mask) if m]
-    grams = [tuple(answer[i:i + n]) for i in range(len(answer) - n + 1)]
+    grams = answer_ngrams(ids, mask, n)[1]
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
 def loop_start(ids: list[int], mask: list[int], n: int = 8) -> Optional[int]:
     """Index in `ids` where the answers first repeat an n-gram they already said (the loop begins), or None."""
-    answer_pos = [i for i, m in enumerate(mask) if m]
-    answer = [ids[i] for i in answer_pos]
+    positions, grams = answer_ngrams(ids, mask, n)
     seen = set()
-    for j in range(len(answer) - n + 1):
-        gram = tuple(answer[j:j + n])
+    for j, gram in enumerate(grams):
         if gram in seen:
-            return answer_pos[j]
+            return positions[j]
         seen.add(gram)
     return None
 
