@@ -176,9 +176,19 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     if loss_mask_offset not in (0, 1):
         raise ValueError(f"loss_mask_offset must be 0 or 1, got {loss_mask_offset}")
     valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted
+    # Only positions some step scores or counts need the target's distribution and the draft's logits
+    # (prompt tokens, padding and the tail of cut rows do not): gather them once, skip the rest.
+    needed = valid.clone()                                                 # [B, T] target position s
+    if loss_mask_offset == 0:
+        needed[:, 1:] |= valid[:, :-1]                                     # gated by the mask one earlier
     draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
-    p_all, top = target_distribution(last_hidden, lm_head, draft_ids)       # [B, T, Vd], [B, T]
-    in_vocab = draft.t2d[top]                                              # target's pick is draftable
+    p_needed, top_needed = target_distribution(last_hidden[needed], lm_head, draft_ids)   # [N, Vd], [N]
+    row_of = torch.zeros(B, T, dtype=torch.long, device=dev)               # [B, T] -> row of p_needed
+    row_of[needed] = torch.arange(p_needed.shape[0], device=dev)
+    top = torch.full((B, T), -1, dtype=torch.long, device=dev)             # target's pick (-1: not needed)
+    top[needed] = top_needed
+    in_vocab = torch.zeros(B, T, dtype=torch.bool, device=dev)             # target's pick is draftable
+    in_vocab[needed] = draft.t2d[top_needed]
 
     hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
     attend = TTTAttention(attention_mask.bool())
@@ -194,13 +204,15 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
         h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
-        logits = draft.compute_logits(h)                                   # [B, n, Vd]
+        sel = needed[:, k + 1:]                                            # [B, n] base positions with logits
+        logits = draft.compute_logits(h[sel])                              # [S, Vd]
+        p = p_needed[row_of[:, k + 1:][sel]]                               # [S, Vd]
         if fused_ce:
-            ce = soft_cross_entropy(logits, p_all[:, k + 1:])              # [B, n]
+            ce = soft_cross_entropy(logits, p)                             # [S]
         else:
-            ce = -(p_all[:, k + 1:] * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
+            ce = -(p * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
-        m = (valid[:, off:off + n] & in_vocab[:, k + 1:]).float()          # positions this step's loss scores
+        m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[sel].float()     # [S] positions this step's loss scores
         loss_k = (ce * m).sum() / m.sum().clamp(min=1.0)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:
@@ -210,7 +222,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             feat_loss = (fl * fm).sum() / fm.sum().clamp(min=1.0)
             total = total + feature_loss_weight * feat_loss
         with torch.no_grad():
-            ok = draft_ids[logits.argmax(-1)] == top[:, k + 1:]            # [B, n]
+            ok = torch.zeros_like(sel)                                     # [B, n] draft's pick == target's
+            ok[sel] = draft_ids[logits.argmax(-1)] == top[:, k + 1:][sel]
             v = valid[:, k + 1:]
             step_loss.append(loss_k.detach())
             step_correct.append((ok & v).sum().float())

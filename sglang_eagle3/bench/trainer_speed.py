@@ -32,20 +32,23 @@ def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> 
     return 2 * n ** 3 / best / 1e9
 
 
-def ttt_flops(cfg, T: int, K: int, vocab: int) -> float:
+def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None) -> float:
     """Model FLOPs of one TTT row of T tokens (forward + backward = 3x forward for trained weights; the
-    target's full-vocabulary head, forward only)."""
+    target's full-vocabulary head, forward only). needed [T] bool: the positions whose target distribution
+    and draft logits are computed (the assistant tokens; default all): the heads run only there."""
     H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    layer = 2 * H * (nH + 2 * nKV) * D + nH * D * H + 3 * H * I + H * Vd     # per token, multiply-adds
-    total = 2 * T * cfg.target_hidden_size * vocab                          # target distribution
+    needed = np.ones(T, dtype=bool) if needed is None else np.asarray(needed, dtype=bool)
+    layer = 2 * H * (nH + 2 * nKV) * D + nH * D * H + 3 * H * I             # per token, multiply-adds
+    total = 2 * int(needed.sum()) * cfg.target_hidden_size * vocab         # target distribution
     total += 3 * 2 * T * cfg.num_aux * cfg.target_hidden_size * H          # fc, once
     for k in range(K):
         n = T - k - 1
         if n <= 0:
             break
         attn = 2 * 2 * n * (n / 2 + k) * nH * D                            # scores + weighted sum (causal + diag)
-        total += 3 * (2 * n * layer + attn)
+        head = 2 * int(needed[k + 1:].sum()) * H * Vd                       # draft lm_head where scored
+        total += 3 * (2 * n * layer + attn + head)
     return total
 
 
@@ -74,7 +77,8 @@ def run(argv=None) -> int:
     from ..ttt import ttt_forward
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = [r for r in load_token_rows(a.data) if a.min_len <= len(r[0]) <= a.max_len][:a.rows]
+    fits = [r for r in load_token_rows(a.data) if a.min_len <= len(r[0]) <= a.max_len]
+    rows = fits[::max(1, len(fits) // max(a.rows, 1))][:a.rows]          # spread over the data, not its head
     if len(rows) < a.rows:
         raise UserError(f"--data {a.data}: fewer than {a.rows} rows of {a.min_len}..{a.max_len} tokens")
     tm = TargetModel.from_pretrained(resolve_target(a.target), dtype=torch.bfloat16)
@@ -91,7 +95,7 @@ def run(argv=None) -> int:
         aux, last = tm.features(x)
         feats.append((x, torch.from_numpy(mask.astype(np.int64))[None], aux, last))
     tokens = sum(f[0].shape[1] for f in feats)
-    flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size) for f in feats)
+    flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0) for f in feats)
     configs = {"fp32 (before)": (False, False, False), "fp32": (False, True, False),
                "bf16 autocast (after)": (True, True, False),
                "bf16 autocast, online (target features each step)": (True, True, True)}
