@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv test demo serve testbed regenerate data dump train bench-decode bench-acceptance bench-serving \
-        bench-llamacpp tune-spec llamacpp clean
+        bench-llamacpp tune-spec llamacpp ablation clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -106,6 +106,32 @@ else
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) train/train_eagle3.py \
 	    $(TRAIN_ARGS) --deepspeed-config train/ds_zero2.json
 endif
+
+# The ablation: four drafts trained from scratch on the same data (DATA_OUT/DUMP_OUT, LOOPS as above), the same
+# seed and ABL_STEPS steps each (same tokens), then tau and speed-up on MT-bench and GSM8K, side by side.
+ABL_STEPS ?= 300
+ABL_DIR ?= $(RUN)/ablation
+ABL_TREE ?= --num-steps 3 --topk 2 --num-draft-tokens 6
+ABL_NAMES = eagle3 eagle31 top featloss
+abl_flags_eagle31 = EAGLE31=1
+abl_flags_top = FEATURES=top
+abl_flags_featloss = FEATURE_LOSS=1
+define abl_train
+	+$(MAKE) --no-print-directory train STEPS=$(ABL_STEPS) LR=1e-3 KEEP_EVERY=0 INIT= TRAIN_OUT=$(ABL_DIR)/$(1) $(abl_flags_$(1))
+
+endef
+define abl_bench
+	$(BIN)/python bench/bench_acceptance.py --draft $(ABL_DIR)/$(1)/draft --data $(DATA) --datasets mt_bench,gsm8k \
+	    --n 10 --max-new-tokens 128 --dtype bfloat16 --threads $(THREADS) $(ABL_TREE) --out results/ablation_$(1).json
+
+endef
+ablation: $(STAMP)  ## EAGLE-3 vs EAGLE-3.1 vs top layer only vs + feature loss at one budget -> results/ablation.{json,md}
+	@test -f $(DUMP_OUT)/manifest.json || { echo "missing $(DUMP_OUT): run 'make dump' first"; exit 2; }
+	$(foreach n,$(ABL_NAMES),$(call abl_train,$(n)))
+	$(foreach n,$(ABL_NAMES),$(call abl_bench,$(n)))
+	$(BIN)/python bench/ablation_table.py --row "EAGLE-3 (fused, token loss)=results/ablation_eagle3.json" \
+	    --row "EAGLE-3.1 (fc_norm + norm_output)=results/ablation_eagle31.json" --row "top layer only=results/ablation_top.json" \
+	    --row "fused + feature loss (w=1)=results/ablation_featloss.json" --sets mt_bench,gsm8k --out results/ablation.json
 
 DRAFT ?= $(error set DRAFT=path/to/eagle3-draft)
 bench-acceptance: $(STAMP)  ## bench/bench_acceptance.py: tau and speed-up per eval set (needs DRAFT=...)
