@@ -1,6 +1,7 @@
 """Trainer: 2-rank DeepSpeed ZeRO-2 on CPU (gloo) end to end, kill -9 and resume, ZeRO-3, plain PyTorch online."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -330,8 +331,8 @@ def test_check_only_names_missing_inputs(setup, tmp_path, capsys):
 
 
 def test_checkpoint_export_and_learning_curve(setup, tmp_path):
-    """A kept checkpoint exports as a loadable draft equal to the run's weights at that step; the learning
-    curve reads checkpoints and metrics and measures τ for each."""
+    """A kept checkpoint exports as a loadable draft equal to the run's weights at that step, and its eval
+    records carry the tokens seen (what the learning curve reads)."""
     from sglang_eagle3.trainer.export import export_checkpoint
     from conftest import save_tiny_model_folder
     run = tmp_path / "run"
@@ -344,3 +345,35 @@ def test_checkpoint_export_and_learning_curve(setup, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     recs = [r for r in read_metrics(str(run / "metrics.jsonl")) if r["split"] == "eval"]
     assert [r["tokens_seen"] for r in recs][-1] == s["tokens_seen"]
+
+
+def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypatch):
+    """A rerun measures only new checkpoints and keeps points whose checkpoints were rotated away; changed
+    settings or --fresh measure again; tokens count on across runs."""
+    from sglang_eagle3.bench import curve
+    run1, run2 = tmp_path / "r1", tmp_path / "r2"
+    Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
+    Trainer(small_cfg(setup, run2, max_steps=2, save_every=1, keep_checkpoints=2, keep_every=0)).run()
+    for name in ("mt_bench", "gsm8k"):
+        (tmp_path / f"{name}.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n')
+    measured = []
+
+    def fake_tau(target, draft_dir, spec, prompts, max_new_tokens, dtype):
+        measured.append(draft_dir)
+        return {k: 1.0 + len(measured) / 10 for k in prompts}
+    monkeypatch.setattr(curve, "measure_tau", fake_tau)
+    out = str(tmp_path / "curve.json")
+    argv = ["--run", str(run1), "--run", str(run2), "--target", setup[1], "--dtype", "float32", "--n", "1",
+            "--datasets", f"{tmp_path}/mt_bench.jsonl,{tmp_path}/gsm8k.jsonl", "--num-steps", "1", "--topk", "1",
+            "--num-draft-tokens", "2", "--out", out]
+    assert curve.run(argv) == 0
+    first = json.load(open(out))["points"]
+    assert [(p["step"], len(measured)) for p in first][-1] == (2, 4)       # r1: 2, 4; r2: 1, 2
+    tokens = [p["tokens_total"] for p in first]
+    assert tokens == sorted(tokens) and tokens[2] > tokens[1]               # run 2 counts on from run 1's end
+    shutil.rmtree(run1 / "checkpoints" / "step_0000002")                  # rotated away after it was measured
+    assert curve.run(argv) == 0 and len(measured) == 4                      # nothing new to measure
+    again = json.load(open(out))["points"]
+    assert [(p["step"], p["tokens_total"], p["tau"]) for p in again] == [(p["step"], p["tokens_total"], p["tau"]) for p in first]
+    assert curve.run([*argv[:-2], "--topk", "2", "--num-draft-tokens", "3", "--out", out]) == 0 and len(measured) == 7   # other tree
+    assert curve.run([*argv, "--fresh"]) == 0 and len(measured) == 10

@@ -4,10 +4,14 @@ For the run's kept checkpoints (`eagle3 train --keep-every N`), the draft is exp
 τ measured in our engine (greedy, bf16, the default tree, MT-bench with its second turn and GSM8K, a few prompts
 each; τ as bench_acceptance defines it), beside the trainer's held-out acc_0..acc_6 and simulated τ from
 metrics.jsonl. Writes JSON and a PNG of τ and acc_0 against training tokens.
+
+Rerunning with the same --out, tree, prompts and dtype measures only checkpoints it has not measured yet (a run
+that went on keeps its earlier points, also those whose checkpoints were rotated away since); --fresh measures all.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +33,8 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True, help="JSON; the PNG goes next to it")
+    p.add_argument("--fresh", action="store_true", help="measure every checkpoint again (default: reuse the points "
+                   "of --out measured with the same settings)")
     add_spec_args(p)
     return p
 
@@ -62,6 +68,9 @@ def run(argv=None) -> int:
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = {k: load_prompts(p, limit=a.n) for k, p in sets.items()}
     target = TargetModel.from_pretrained(resolve_target(a.target), dtype=DTYPES[a.dtype])
+    settings = {"tree": {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens},
+                "n": a.n, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "datasets": sorted(sets)}
+    cached = {} if a.fresh else earlier_points(a.out, settings)
     points, evals, offset = [], [], 0
     for run_dir in a.run:
         ckpt = os.path.join(run_dir, "checkpoints")
@@ -69,21 +78,26 @@ def run(argv=None) -> int:
             raise UserError(f"--run {run_dir}: no checkpoints/ folder")
         recs = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
         evals += [{**r, "tokens_total": offset + r.get("tokens_seen", 0), "run": run_dir} for r in recs]
-        steps = sorted(d for d in os.listdir(ckpt) if d.startswith("step_"))
+        on_disk = {int(d.split("_")[1]): d for d in os.listdir(ckpt) if d.startswith("step_")}
+        known = {p["step"]: p for p in cached.get(os.path.abspath(run_dir), [])}
         last = 0
-        for name in steps:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "draft")
-                state = export_checkpoint(os.path.join(ckpt, name), out)
-                tau = measure_tau(target, out, spec, prompts, a.max_new_tokens, a.dtype)
-            last = state.get("tokens_seen", 0)
-            points.append({"run": run_dir, "step": state["step"], "tokens_total": offset + last, "tau": tau})
-            print(f"{run_dir} {name}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items()),
-                  file=sys.stderr, flush=True)
+        for step in sorted(set(on_disk) | set(known)):
+            if step in known:                             # measured by an earlier call with these settings
+                p = known[step]
+                last, tau = p["tokens_seen"], p["tau"]
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "draft")
+                    state = export_checkpoint(os.path.join(ckpt, on_disk[step]), out)
+                    tau = measure_tau(target, out, spec, prompts, a.max_new_tokens, a.dtype)
+                last = state.get("tokens_seen", 0)
+            points.append({"run": os.path.abspath(run_dir), "step": step, "tokens_seen": last,
+                           "tokens_total": offset + last, "tau": tau})
+            print(f"{run_dir} step {step}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
+                  + (" (earlier)" if step in known else ""), file=sys.stderr, flush=True)
         offset += last
-    result = {"format": FORMAT, "runs": a.run, "tree": {"num_steps": spec.num_steps, "topk": spec.topk,
-              "num_draft_tokens": spec.num_draft_tokens}, "n": a.n, "max_new_tokens": a.max_new_tokens,
-              "points": points, "evals": evals, "meta": report.run_metadata()}
+    result = {"format": FORMAT, "runs": a.run, **settings, "points": points, "evals": evals,
+              "meta": report.run_metadata()}
     report.write_json_atomic(a.out, result)
     png = plot(result, report.sibling(a.out, ".png"))
     rows = [[f"{p['tokens_total']:,}", p["step"]] + [f"{p['tau'][k]:.2f}" for k in sets] for p in points]
@@ -92,6 +106,31 @@ def run(argv=None) -> int:
     report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
     print(f"wrote {os.path.abspath(a.out)}\n      {png}")
     return 0
+
+
+def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
+    """{abs run dir: points} of an earlier --out measured with the same settings; {} if none or different."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if old.get("format") != FORMAT or old.get("dtype", settings["dtype"]) != settings["dtype"] or any(
+            old.get(k) != settings[k] for k in ("tree", "n", "max_new_tokens")):
+        return {}
+    by_run, offset, prev_run, prev_total = {}, 0, None, 0
+    for p in old.get("points", []):
+        if sorted(p.get("tau", {})) != settings["datasets"]:
+            return {}
+        run = os.path.abspath(p["run"])
+        if run != prev_run and prev_run is not None:          # tokens_total counts on from the previous run's end
+            offset = prev_total
+        prev_run, prev_total = run, p["tokens_total"]
+        seen = p.get("tokens_seen", p["tokens_total"] - offset)  # files written before tokens_seen was stored
+        by_run.setdefault(run, []).append({"step": p["step"], "tokens_seen": seen, "tau": p["tau"]})
+    return by_run
 
 
 def plot(r: dict, path: str) -> str:
@@ -103,7 +142,8 @@ def plot(r: dict, path: str) -> str:
     if ev:
         ax1.plot([e["tokens_total"] for e in ev], [e["accept_length"] for e in ev], "--", color="gray",
                  label="simulated τ (held-out, chain of 7)")
-        for k in (0, 3, 6):
+        steps = sorted({int(key[4:]) for e in ev for key in e if key.startswith("acc_")})
+        for k in sorted({steps[0], steps[len(steps) // 2], steps[-1]}) if steps else []:   # first, middle, last
             ax2.plot([e["tokens_total"] for e in ev], [e[f"acc_{k}"] for e in ev], "o-", ms=3, label=f"acc_{k}")
     t = r["tree"]
     ax1.set(xlabel="training tokens", ylabel="τ (tokens per target forward)",
