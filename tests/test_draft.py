@@ -26,6 +26,14 @@ def saved(tmp_path):
     return tm, d, str(tmp_path / "d")
 
 
+def test_saved_files_get_the_usual_permissions(saved):
+    """safetensors writes 0600; a draft must be readable by a server that runs as another user (umask allowing)."""
+    from sglang_eagle3.fileio import current_umask
+    _, _, path = saved
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(os.path.join(path, name)).st_mode & 0o777 == 0o666 & ~current_umask(), name
+
+
 def test_names_shapes_and_config(saved):
     tm, d, path = saved
     state = load_file(os.path.join(path, "model.safetensors"))
