@@ -32,7 +32,7 @@ from torch import nn
 
 from . import kernels
 from .config import Eagle3Config
-from .fileio import current_umask
+from .fileio import usual_permissions
 
 # attend(q [B, nH, T, D], k [B, nKV, T, D], v [B, nKV, T, D]) -> [B, nH, T, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -297,8 +297,8 @@ class Eagle3DraftModel(nn.Module):
         cfg.torch_dtype = str(dtype or self.fc.weight.dtype).replace("torch.", "")
         tmp = os.path.join(directory, "model.safetensors.tmp")
         save_file(state, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, 0o666 & ~current_umask())      # safetensors writes 0600: a server running as another user
-        os.replace(tmp, os.path.join(directory, "model.safetensors"))   # could not read the draft
+        usual_permissions(tmp)                        # safetensors writes 0600
+        os.replace(tmp, os.path.join(directory, "model.safetensors"))
         cfg.save(directory)
 
     @classmethod

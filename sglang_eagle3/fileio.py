@@ -24,6 +24,12 @@ def current_umask() -> int:
     return umask
 
 
+def usual_permissions(path: str) -> None:
+    """Give a file (0666) or folder (0777) what the umask allows, as a plain open/mkdir would: mkstemp, mkdtemp
+    and safetensors' save_file create 0600/0700 ones, which a process running as another user cannot read."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~current_umask())
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any, Iterable, Sequence
 
-from ..fileio import current_umask
+from ..fileio import usual_permissions
 
 
 # ---- numbers ---------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def _atomic_write(path: str, write) -> str:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.chmod(tmp, 0o666 & ~current_umask())   # mkstemp makes 0600: give results the usual permissions
+        usual_permissions(tmp)                    # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..fileio import current_umask
+from ..fileio import usual_permissions
 
 
 class FolderError(ValueError):
@@ -134,12 +134,11 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
 
 def _usual_permissions(directory: str) -> None:
     """mkdtemp makes 0700 folders: give the folder and its files what the umask allows (as a plain mkdir would)."""
-    umask = current_umask()
-    os.chmod(directory, 0o777 & ~umask)
+    usual_permissions(directory)
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if os.path.isfile(path):
-            os.chmod(path, 0o666 & ~umask)
+            usual_permissions(path)
 
 
 class TargetError(ValueError):
