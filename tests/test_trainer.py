@@ -348,8 +348,8 @@ def test_checkpoint_export_and_learning_curve(setup, tmp_path):
 
 
 def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypatch):
-    """A rerun measures only new checkpoints and keeps points whose checkpoints were rotated away; changed
-    settings or --fresh measure again; tokens count on across runs."""
+    """A rerun measures only new checkpoints and keeps points whose checkpoints were rotated away; a rewritten
+    checkpoint, changed settings or --fresh measure again; tokens count on across runs."""
     from sglang_eagle3.bench import curve
     run1, run2 = tmp_path / "r1", tmp_path / "r2"
     Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
@@ -375,5 +375,8 @@ def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypat
     assert curve.run(argv) == 0 and len(measured) == 4                      # nothing new to measure
     again = json.load(open(out))["points"]
     assert [(p["step"], p["tokens_total"], p["tau"]) for p in again] == [(p["step"], p["tokens_total"], p["tau"]) for p in first]
-    assert curve.run([*argv[:-2], "--topk", "2", "--num-draft-tokens", "3", "--out", out]) == 0 and len(measured) == 7   # other tree
-    assert curve.run([*argv, "--fresh"]) == 0 and len(measured) == 10
+    state = run2 / "checkpoints" / "step_0000002" / "trainer_state.json"       # trained again in place (--overwrite)
+    os.utime(state, ns=(state.stat().st_atime_ns, state.stat().st_mtime_ns + 10 ** 9))
+    assert curve.run(argv) == 0 and len(measured) == 5                      # that checkpoint only
+    assert curve.run([*argv[:-2], "--topk", "2", "--num-draft-tokens", "3", "--out", out]) == 0 and len(measured) == 8   # other tree
+    assert curve.run([*argv, "--fresh"]) == 0 and len(measured) == 11

@@ -6,7 +6,8 @@ each; τ as bench_acceptance defines it), beside the trainer's held-out acc_0..a
 metrics.jsonl. Writes JSON and a PNG of τ and acc_0 against training tokens.
 
 Rerunning with the same --out, tree, prompts and dtype measures only checkpoints it has not measured yet (a run
-that went on keeps its earlier points, also those whose checkpoints were rotated away since); --fresh measures all.
+that went on keeps its earlier points, also those whose checkpoints were rotated away since; a checkpoint rewritten
+since, e.g. by a run trained again with --overwrite, is measured again); --fresh measures all.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def run(argv=None) -> int:
     from ..target import TargetModel
     from ..trainer.export import export_checkpoint
     from ..trainer.logs import read_metrics
+    from ..trainer.loop import STATE_FILE
     from .acceptance import resolve_sets
     a = build_parser().parse_args(argv)
     spec, _, _ = resolve_spec(a, None)                    # one tree for every checkpoint (flags, else 5/4/16)
@@ -82,7 +84,10 @@ def run(argv=None) -> int:
         known = {p["step"]: p for p in cached.get(os.path.abspath(run_dir), [])}
         last = 0
         for step in sorted(set(on_disk) | set(known)):
-            if step in known:                             # measured by an earlier call with these settings
+            written = os.stat(os.path.join(ckpt, on_disk[step], STATE_FILE)).st_mtime_ns if step in on_disk else None
+            reuse = step in known and (written is None                  # rotated away since it was measured
+                                       or known[step].get("written") in (None, written))   # None: stamp not kept yet
+            if reuse:                                     # measured by an earlier call with these settings
                 p = known[step]
                 last, tau = p["tokens_seen"], p["tau"]
             else:
@@ -92,9 +97,9 @@ def run(argv=None) -> int:
                     tau = measure_tau(target, out, spec, prompts, a.max_new_tokens, a.dtype)
                 last = state.get("tokens_seen", 0)
             points.append({"run": os.path.abspath(run_dir), "step": step, "tokens_seen": last,
-                           "tokens_total": offset + last, "tau": tau})
+                           "tokens_total": offset + last, "tau": tau, "written": written or known[step].get("written")})
             print(f"{run_dir} step {step}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
-                  + (" (earlier)" if step in known else ""), file=sys.stderr, flush=True)
+                  + (" (earlier)" if reuse else ""), file=sys.stderr, flush=True)
         offset += last
     result = {"format": FORMAT, "runs": a.run, **settings, "points": points, "evals": evals,
               "meta": report.run_metadata()}
@@ -129,7 +134,8 @@ def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
             offset = prev_total
         prev_run, prev_total = run, p["tokens_total"]
         seen = p.get("tokens_seen", p["tokens_total"] - offset)  # files written before tokens_seen was stored
-        by_run.setdefault(run, []).append({"step": p["step"], "tokens_seen": seen, "tau": p["tau"]})
+        by_run.setdefault(run, []).append({"step": p["step"], "tokens_seen": seen, "tau": p["tau"],
+                                           "written": p.get("written")})
     return by_run
 
 
