@@ -139,7 +139,7 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
-    """last_hidden [B, T, Ht] (post final norm) -> (p [B, T, Vd] softmax over the draft vocab, top [B, T] target ids)."""
+    """last_hidden [..., Ht] (post final norm) -> (p [..., Vd] softmax over the draft vocab, top [...] target ids)."""
     w = lm_head.weight
     logits = lm_head(last_hidden.to(w.dtype))                    # [B, T, V] (bf16 under autocast)
     top = _argmax(logits)                                        # a cast to fp32 is exact: same argmax
