@@ -51,7 +51,9 @@ bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs ou
 
 # The embedded draft's recipe, one resumable stage per target (each prints progress + ETA; rerun to resume).
 RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v3
-GSM8K_ROWS ?= 1000
+GSM8K_ROWS ?= 2500
+SHAREGPT1K_ROWS ?= 700
+SHAREGPT_PROMPT_CHARS ?= 1000
 REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-tokens 512 --batch-size 32 --write-every 384
 REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl
 MAX_LEN ?= 2048
@@ -76,10 +78,10 @@ TRAIN_OUT ?= $(RUN)/train$(SUFFIX)
 TRAIN_FLAGS ?=
 KEEP_EVERY ?= 250
 regenerate: $(STAMP)  ## every training prompt answered by the embedded target itself (greedy, bf16; resumable)
-	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-prompt-chars 400 --out $(RUN)/regen_sharegpt.jsonl
+	$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-prompt-chars $(SHAREGPT_PROMPT_CHARS) --out $(RUN)/regen_sharegpt.jsonl
 	$(REGEN) $(DATA)/train/alpaca_en_demo.json --out $(RUN)/regen_alpaca.jsonl
 	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
-	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows 300 --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
+	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows $(SHAREGPT1K_ROWS) --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
 
 data: $(STAMP)  ## tokenize the regenerated answers (rows up to MAX_LEN tokens; LOOPS=cut|drop|keep) + draft vocab
 	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done

@@ -263,15 +263,15 @@ SETTINGS_SUFFIX = ".settings.json"
 
 
 def run_settings(args) -> dict:
-    """What decides the rows' contents; a resumed or extended run must use the same (--max-rows may grow)."""
+    """What decides the rows' contents; a resumed or extended run must use the same. --max-rows and
+    --max-prompt-chars only select which conversations are answered: raising them adds rows."""
     def where(x):
         return os.path.abspath(x) if x and os.path.exists(x) else x
     return {"inputs": [where(i.split(":")[0]) + (":" + i.split(":", 1)[1] if ":" in i else "") for i in args.inputs],
             "format": args.format, "generator": "server" if args.server else "engine",
             "target": where(args.target), "server": args.server, "model": args.model, "draft": where(args.draft),
             "dtype": args.dtype if not args.server else None, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed, "max_turns": args.max_turns,
-            "max_prompt_chars": args.max_prompt_chars}
+            "temperature": args.temperature, "seed": args.seed, "max_turns": args.max_turns}
 
 
 def check_settings(out: str, settings: dict, overwrite: bool) -> None:
@@ -306,7 +306,8 @@ def run(args) -> int:
         raise UserError("--max-prompt-chars must be >= 1")
     convs = load_conversations(args.inputs, args.format, args.max_rows, stats, args.max_prompt_chars)
     if os.path.exists(args.out) and not args.overwrite and all(c.key in _scan_partial(args.out) for c in convs):
-        print(f"{args.out} is already complete; pass --overwrite to regenerate it (or a larger --max-rows to add rows)")
+        print(f"{args.out} is already complete; pass --overwrite to regenerate it (or a larger --max-rows / "
+              "--max-prompt-chars to add rows)")
         return 0
     check_settings(args.out, run_settings(args), args.overwrite)     # rows will be added: made the same way
     if args.server:
@@ -356,7 +357,7 @@ def add_cli(sub) -> None:
     p.add_argument("--max-rows", type=int, default=None, help="read at most this many rows per input")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="skip conversations whose system + user text is longer (counted; they are answered last "
-                        "anyway, shortest prompts first)")
+                        "anyway, shortest prompts first); a larger value on a finished OUT adds the skipped ones")
     p.add_argument("--overwrite", action="store_true", help="redo a finished OUT")
     p.add_argument("--quiet", action="store_true")
     from .generate_cli import add_spec_args

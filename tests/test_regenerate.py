@@ -169,6 +169,24 @@ def test_resume_refuses_other_settings_and_extends_with_more_rows(tmp_path, chat
     assert main([*common, "--max-new-tokens", "4", "--max-rows", "4", "--overwrite"]) == 0
 
 
+def test_larger_max_prompt_chars_adds_the_skipped_conversations(tmp_path, chats, capsys):
+    from conftest import save_tiny_model_folder
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    out = tmp_path / "regen.jsonl"
+    common = ["regenerate", chats, "--target", target, "--out", str(out), "--max-new-tokens", "3", "--max-rows", "3",
+              "--quiet"]
+    assert main([*common, "--max-prompt-chars", "4"]) == 0                 # c1 (8 chars), c2 (12) skipped
+    first = read_out(out)
+    assert [r["id"] for r in first] == ["c0"]
+    assert main([*common, "--max-prompt-chars", "8"]) == 0                 # a selection, not a row setting: adds c1
+    rows = read_out(out)
+    assert [r["id"] for r in rows] == ["c0", "c1"] and rows[0] == first[0]
+    capsys.readouterr()
+    assert main([*common, "--max-prompt-chars", "8"]) == 0
+    assert "already complete" in capsys.readouterr().out
+
+
 def test_cli_with_in_process_engine(tmp_path, chats, capsys):
     from conftest import save_tiny_model_folder
     from sglang_eagle3.cli import main
