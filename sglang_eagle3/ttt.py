@@ -37,40 +37,53 @@ class TTTAttention:
     """attend(q, k, v) for TTT: call once per step, in order (step 0 first).
 
     Step k receives q/k/v for the first T_k base positions (T_k shrinks with k: the tail has no data
-    token left). key_valid [B, T] bool: real (non-padding) keys of step 0.
+    token left). key_valid [B, T] bool: real (non-padding) keys of step 0. row_lengths (B == 1 only):
+    the lengths of the rows packed into the sequence; attention stays inside each row (one block each,
+    so memory is the sum of the rows' squares, as when they run one by one).
     """
 
-    def __init__(self, key_valid: torch.Tensor):
+    def __init__(self, key_valid: torch.Tensor, row_lengths: Optional[list[int]] = None):
         self.key_valid = key_valid.bool()
         self.keys: list[torch.Tensor] = []     # per step [B, nKV, T_j, D]
         self.values: list[torch.Tensor] = []
+        T = key_valid.shape[1]
+        ends = torch.tensor(row_lengths or [T]).cumsum(0).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))     # [start, end) of each packed row
 
-    def causal_allowed(self, T: int) -> torch.Tensor:
-        """[B, 1, 1, T, T] bool: key s <= query t and s is a real token (a query always sees itself)."""
-        idx = torch.arange(T, device=self.key_valid.device)
-        causal = idx.view(T, 1) >= idx.view(1, T)
-        allowed = causal & (self.key_valid[:, None, :T] | torch.eye(T, dtype=torch.bool, device=idx.device))
+    def causal_allowed(self, start: int, end: int) -> torch.Tensor:
+        """[B, 1, 1, L, L] bool over positions start..end-1: key s <= query t and s is a real token (a query
+        always sees itself)."""
+        L = end - start
+        idx = torch.arange(L, device=self.key_valid.device)
+        causal = idx.view(L, 1) >= idx.view(1, L)
+        allowed = causal & (self.key_valid[:, None, start:end] | torch.eye(L, dtype=torch.bool, device=idx.device))
         return allowed[:, None, None]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, nH, T, D = q.shape
-        nKV = k.shape[1]
         self.keys.append(k)
         self.values.append(v)
-        q = q.reshape(B, nKV, nH // nKV, T, D) * D ** -0.5                 # [B, nKV, g, T, D]
-        k0, v0 = self.keys[0][:, :, :T], self.values[0][:, :, :T]             # [B, nKV, T, D]
-        scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, T, T]
-        scores = scores.masked_fill(~self.causal_allowed(T), float("-inf"))
+        T = q.shape[2]
+        blocks = [self._attend(q[:, :, s:min(e, T)], s, min(e, T)) for s, e in self.bounds if s < T]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+    def _attend(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Queries of base positions start..end-1 [B, nH, L, D] against the keys of the same positions."""
+        B, nH, L, D = q.shape
+        nKV = self.keys[0].shape[1]
+        q = q.reshape(B, nKV, nH // nKV, L, D) * D ** -0.5                 # [B, nKV, g, L, D]
+        k0, v0 = self.keys[0][:, :, start:end], self.values[0][:, :, start:end]   # [B, nKV, L, D]
+        scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, L, L]
+        scores = scores.masked_fill(~self.causal_allowed(start, end), float("-inf"))
         if len(self.keys) > 1:
-            kd = torch.stack([kj[:, :, :T] for kj in self.keys[1:]], dim=2)   # [B, nKV, k, T, D]
-            vd = torch.stack([vj[:, :, :T] for vj in self.values[1:]], dim=2)
-            diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, T, k]
-            scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, T, T + k]
+            kd = torch.stack([kj[:, :, start:end] for kj in self.keys[1:]], dim=2)   # [B, nKV, k, L, D]
+            vd = torch.stack([vj[:, :, start:end] for vj in self.values[1:]], dim=2)
+            diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, L, k]
+            scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, L, L + k]
         probs = scores.softmax(-1, dtype=_wide(q.dtype)).to(q.dtype)
-        out = torch.einsum("bngts,bnsd->bngtd", probs[..., :T], v0)
+        out = torch.einsum("bngts,bnsd->bngtd", probs[..., :L], v0)
         if len(self.keys) > 1:
-            out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., T:], vd)
-        return out.reshape(B, nH, T, D)
+            out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., L:], vd)
+        return out.reshape(B, nH, L, D)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +132,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, z, p):
         zf = z.to(_wide(z.dtype))
         lse = torch.logsumexp(zf, -1)                                     # [n]
-        loss = lse - torch.matmul(p.unsqueeze(-2), zf.unsqueeze(-1)).view(lse.shape)
+        loss = lse - (p * zf).sum(-1)      # not a matmul: autocast would run it as a slow bf16 bmm
         ctx.save_for_backward(z, p, lse)
         return loss
 
@@ -161,7 +174,8 @@ def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Ten
 def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: Optional[torch.Tensor],
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
-                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True) -> TTTOutput:
+                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True,
+                row_lengths: Optional[list[int]] = None) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
@@ -172,6 +186,10 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     loss_mask_offset: step k at base position t is scored where loss_mask[t + k + offset] is set. 1 (ours):
     the mask of the position whose target distribution is learned, i.e. exactly the chains the engine drafts
     after an accepted assistant token; 0: the EAGLE-3 authors' and SpecForge's convention (one earlier).
+    row_lengths: B == 1 holds these rows packed end to end (no padding). Each row keeps its own RoPE positions
+    and attention, chains never cross into the next row, and the loss is the mean over rows of each row's own
+    loss: the same loss and gradients as the rows run one by one and averaged (gradient accumulation), with
+    R times larger matrix products.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -182,6 +200,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     if loss_mask_offset not in (0, 1):
         raise ValueError(f"loss_mask_offset must be 0 or 1, got {loss_mask_offset}")
     valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted
+    row_id, positions = _packed_rows(row_lengths, B, T, dev)               # [B, T] each, row_id None: unpacked
     # Only positions some step scores or counts need the target's distribution and the draft's logits
     # (prompt tokens, padding and the tail of cut rows do not): gather them once, skip the rest.
     needed = valid.clone()                                                 # [B, T] target position s
@@ -197,8 +216,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     in_vocab[needed] = draft.t2d[top_needed]
 
     hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
-    attend = TTTAttention(attention_mask.bool())
-    positions = torch.arange(T, device=dev).expand(B, T)
+    attend = TTTAttention(attention_mask.bool(), row_lengths)
     zero = torch.zeros((), device=dev)
     total, feat_loss = zero, None
     step_loss, step_correct, step_count = [], [], []
@@ -210,7 +228,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
         h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
-        sel = needed[:, k + 1:]                                            # [B, n] base positions with logits
+        in_row = None if row_id is None else row_id[:, :n] == row_id[:, k + 1:]   # [B, n] chain inside its row
+        sel = needed[:, k + 1:] if in_row is None else needed[:, k + 1:] & in_row   # [B, n] positions with logits
         logits = draft.compute_logits(h[sel])                              # [S, Vd]
         p = p_needed[row_of[:, k + 1:][sel]]                               # [S, Vd]
         if fused_ce:
@@ -219,18 +238,19 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             ce = -(p * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
         m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[sel].float()     # [S] positions this step's loss scores
-        loss_k = (ce * m).sum() / m.sum().clamp(min=1.0)
+        loss_k = _mean_loss(ce * m, m, None if row_id is None else row_id[:, :n][sel], row_lengths)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:
             wide = _wide(h.dtype)
             fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, n]
-            fm = valid[:, 1:].float()
-            feat_loss = (fl * fm).sum() / fm.sum().clamp(min=1.0)
+            fm = valid[:, 1:] if in_row is None else valid[:, 1:] & in_row
+            feat_loss = _mean_loss(fl[fm], fm[fm].to(fl.dtype), None if row_id is None else row_id[:, :n][fm],
+                                   row_lengths)
             total = total + feature_loss_weight * feat_loss
         with torch.no_grad():
             ok = torch.zeros_like(sel)                                     # [B, n] draft's pick == target's
             ok[sel] = draft_ids[_argmax(logits)] == top[:, k + 1:][sel]
-            v = valid[:, k + 1:]
+            v = valid[:, k + 1:] if in_row is None else valid[:, k + 1:] & in_row
             step_loss.append(loss_k.detach())
             step_correct.append((ok & v).sum().float())
             step_count.append(v.sum().float())
@@ -243,7 +263,33 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
                      accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
 
 
+def _packed_rows(row_lengths: Optional[list[int]], B: int, T: int, dev) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """-> (row_id [B, T] or None when unpacked, RoPE positions [B, T] restarting at every packed row)."""
+    if row_lengths is None:
+        return None, torch.arange(T, device=dev).expand(B, T)
+    if B != 1 or sum(row_lengths) != T or min(row_lengths) < 2:
+        raise ValueError(f"row_lengths {list(row_lengths)} must be >= 2 each and sum to T={T} of one packed row (B={B})")
+    lengths = torch.tensor(row_lengths, device=dev)
+    row_id = torch.repeat_interleave(torch.arange(len(row_lengths), device=dev), lengths)          # [T]
+    starts = lengths.cumsum(0) - lengths
+    return row_id.view(1, T), (torch.arange(T, device=dev) - starts[row_id]).view(1, T)
+
+
+def _mean_loss(weighted: torch.Tensor, weight: torch.Tensor, row_of: Optional[torch.Tensor],
+               row_lengths: Optional[list[int]]) -> torch.Tensor:
+    """sum(weighted) / sum(weight) [S] -> scalar; packed rows (row_of [S]): the mean over rows of each row's own."""
+    if row_of is None:
+        return weighted.sum() / weight.sum().clamp(min=1.0)
+    R = len(row_lengths)
+    num = torch.zeros(R, dtype=weighted.dtype, device=weighted.device).index_add(0, row_of, weighted)
+    den = torch.zeros(R, dtype=weight.dtype, device=weight.device).index_add(0, row_of, weight)
+    return (num / den.clamp(min=1.0)).mean()
+
+
 def ttt_batch(draft, batch: dict, lm_head: nn.Module, **kw) -> TTTOutput:
-    """ttt_forward on a collated batch dict (input_ids, loss_mask, attention_mask, aux_hidden_states, last_hidden)."""
+    """ttt_forward on a collated batch dict (input_ids, loss_mask, attention_mask, aux_hidden_states, last_hidden,
+    and row_lengths [R] when the rows are packed into one sequence)."""
+    lengths = batch.get("row_lengths")
     return ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch.get("aux_hidden_states"),
-                       batch["last_hidden"], batch.get("attention_mask"), lm_head, **kw)
+                       batch["last_hidden"], batch.get("attention_mask"), lm_head,
+                       row_lengths=None if lengths is None else lengths.tolist(), **kw)

@@ -18,7 +18,7 @@ from sglang_eagle3.config import ConfigError
 from sglang_eagle3.draft import Eagle3DraftModel
 from sglang_eagle3.hidden_dump import dump_hidden_states
 from sglang_eagle3.trainer import backend as B
-from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, split_indices
+from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, pack, split_indices
 from sglang_eagle3.trainer.logs import read_metrics
 from sglang_eagle3.trainer.loop import TrainConfig, Trainer, compute_dtype
 
@@ -177,7 +177,7 @@ def test_plain_pytorch_online_top_features(setup, tmp_path):
     assert draft.config.draft_vocab_size == 64
     # same settings resume cleanly (nothing left to do); a different batch size is refused
     assert Trainer(TrainConfig(**{**cfg.__dict__, "resume": True})).run()["resumed_from"] == 4
-    with pytest.raises(ConfigError, match="micro_batch_size"):
+    with pytest.raises(ConfigError, match="rows_per_step: checkpoint 1 vs now 2"):
         Trainer(TrainConfig(**{**cfg.__dict__, "resume": True, "micro_batch_size": 2})).run()
 
 
@@ -268,6 +268,36 @@ def test_cli_train_error_is_one_line(setup, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds checkpoints" in err[0]
+
+
+def test_packed_rows_train_like_gradient_accumulation(setup, tmp_path):
+    """--micro-batch-size 3 --pack-rows: the same steps as --grad-accum 3 (same rows, per-row loss), so the two
+    runs end with the same weights, and a run may resume across the switch; padded micro-batches may not."""
+    kw = dict(dtype="float32", save_every=2, max_steps=4)
+    accum = Trainer(small_cfg(setup, tmp_path / "accum", grad_accum=3, **kw)).run()
+    packed = Trainer(small_cfg(setup, tmp_path / "packed", micro_batch_size=3, pack_rows=True, **kw)).run()
+    assert packed["param_checksums"][0] == pytest.approx(accum["param_checksums"][0], rel=1e-6)
+    for key in ("loss", "acc_0", "accept_length"):
+        assert packed["final_eval"][key] == pytest.approx(accum["final_eval"][key], rel=1e-5)
+    assert packed["train_tokens"] == accum["train_tokens"]
+    (tmp_path / "accum" / "checkpoints" / "latest").write_text("step_0000002\n")      # back to step 2
+    switched = Trainer(small_cfg(setup, tmp_path / "accum", micro_batch_size=3, pack_rows=True, resume=True,
+                                 **kw)).run()
+    assert switched["resumed_from"] == 2
+    assert switched["param_checksums"][0] == pytest.approx(accum["param_checksums"][0], rel=1e-6)
+    with pytest.raises(ConfigError, match="per_row_loss: checkpoint True vs now False"):
+        Trainer(small_cfg(setup, tmp_path / "accum", micro_batch_size=3, resume=True, **kw)).run()
+
+
+def test_pack_puts_rows_end_to_end():
+    batch = collate([{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]),
+                      "last_hidden": torch.arange(6.).view(3, 2)},
+                     {"input_ids": torch.tensor([4, 5]), "loss_mask": torch.tensor([1, 0]),
+                      "last_hidden": -torch.ones(2, 2)}])
+    p = pack(batch)
+    assert p["input_ids"].tolist() == [[1, 2, 3, 4, 5]] and p["loss_mask"].tolist() == [[0, 1, 1, 1, 0]]
+    assert p["attention_mask"].tolist() == [[1] * 5] and p["row_lengths"].tolist() == [3, 2]
+    assert p["last_hidden"].shape == (1, 5, 2) and p["last_hidden"][0, 3:].eq(-1).all()
 
 
 def test_eval_rows_zero_trains_without_eval(setup, tmp_path):

@@ -225,3 +225,34 @@ def test_fused_cross_entropy_equals_the_plain_formula():
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-10, atol=1e-12)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("offset,fw,eagle31", [(1, 0.0, False), (0, 0.5, False), (1, 0.5, True)])
+def test_packed_rows_equal_the_rows_one_by_one(offset, fw, eagle31):
+    """Rows packed end to end (row_lengths) give the mean of the rows' own losses, the same gradients and the
+    summed counters, as gradient accumulation over the rows run alone (no padding)."""
+    draft, lm_head, d = make_setup(eagle31=eagle31)
+    lengths = [T, T - 2, 5]                                      # row 1 without its padding, row 2 a short copy
+    rows = [{k: d[k][b, :n] for k in ("input_ids", "loss_mask", "aux", "last")}
+            for b, n in ((0, T), (1, T - 2), (1, 5))]
+    kw = dict(ttt_length=K, loss_mask_offset=offset, feature_loss_weight=fw)
+
+    def run(r, row_lengths=None):
+        return ttt_forward(draft, r["input_ids"][None], r["loss_mask"][None], r["aux"][None], r["last"][None],
+                           None, lm_head, row_lengths=row_lengths, **kw)
+    alone = [run(r) for r in rows]
+    ref_loss = sum(o.loss for o in alone) / len(alone)
+    g_ref = grads(draft, ref_loss)
+    packed = run({k: torch.cat([r[k] for r in rows]) for k in rows[0]}, lengths)
+    g_packed = grads(draft, packed.loss)
+    torch.testing.assert_close(packed.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(packed.step_loss, sum(o.step_loss for o in alone) / len(alone), rtol=RTOL, atol=ATOL)
+    assert torch.equal(packed.counters(), sum(o.counters() for o in alone))
+    if fw:
+        torch.testing.assert_close(packed.feature_loss, sum(o.feature_loss for o in alone) / len(alone))
+    for name in g_ref:
+        scale = g_ref[name].abs().max().item()
+        torch.testing.assert_close(g_packed[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="row_lengths"):
+        run({k: torch.cat([r[k] for r in rows]) for k in rows[0]}, [T, T])      # does not sum to the length

@@ -4,7 +4,8 @@ Rows come from a prepare-data folder; the target computes their features once, u
 so only the trainer's own work is timed: the TTT forward and backward over `ttt_length` steps and the AdamW
 step. Reported: tokens/s per precision (median over alternated rounds), model FLOP/s against the matmul peak
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
-configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss).
+configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss), and
+of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def build_parser():
     p.add_argument("--max-len", type=int, default=900)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per precision")
     p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--pack", type=int, default=4, help="rows per forward in the packed configuration (--pack-rows)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true", help="also profile the before/after configurations")
     p.add_argument("--out", default="results/bench_trainer.json")
@@ -96,18 +98,24 @@ def run(argv=None) -> int:
         feats.append((x, torch.from_numpy(mask.astype(np.int64))[None], aux, last))
     tokens = sum(f[0].shape[1] for f in feats)
     flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0) for f in feats)
-    configs = {"fp32 (before)": (False, False, False), "fp32": (False, True, False),
-               "bf16 autocast (after)": (True, True, False),
-               "bf16 autocast, online (target features each step)": (True, True, True)}
+    packed_name = f"bf16 autocast, {a.pack} rows packed per forward"
+    configs = {"fp32 (before)": (False, False, False, 1), "fp32": (False, True, False, 1),
+               "bf16 autocast (after)": (True, True, False, 1),
+               "bf16 autocast, online (target features each step)": (True, True, True, 1),
+               packed_name: (True, True, False, a.pack)}
 
-    def one_round(autocast: bool, fused: bool, online: bool) -> float:
+    def one_round(autocast: bool, fused: bool, online: bool, pack: int) -> float:
         t0 = time.perf_counter()
-        for x, m, aux, last in feats:
+        for i in range(0, len(feats), pack):
+            group = feats[i:i + pack]
             if online:                                                   # what training without a dump pays
                 with torch.no_grad():
-                    aux, last = tm.features(x)
+                    group = [(x, m, *tm.features(x)) for x, m, _, _ in group]
+            x, m, aux, last = (torch.cat(parts, 1) for parts in zip(*group))
+            lengths = [g[0].shape[1] for g in group] if pack > 1 else None
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused)
+                out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused,
+                                  row_lengths=lengths)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -131,7 +139,7 @@ def run(argv=None) -> int:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         result["profile"] = {}
-        for name in ("fp32 (before)", "bf16 autocast (after)"):
+        for name in ("fp32 (before)", "bf16 autocast (after)", packed_name):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 one_round(*configs[name])
             top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]

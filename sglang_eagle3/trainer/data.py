@@ -114,3 +114,12 @@ def collate(items: list[dict], max_length: Optional[int] = None) -> dict[str, to
         for k, v in it.items():
             out[k][b, :n] = v
     return out
+
+
+def pack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A right-padded batch [B, T, ...] -> its rows end to end in one sequence [1, sum of lengths, ...] (no padding)
+    plus row_lengths [B]; ttt_forward keeps the rows apart (attention, chains, per-row loss)."""
+    real = batch["attention_mask"].bool()                                  # [B, T]
+    out = {k: v[real][None] for k, v in batch.items()}
+    out["row_lengths"] = real.sum(1)
+    return out

@@ -23,12 +23,22 @@ from ..config import ConfigError, Eagle3Config
 from ..draft import Eagle3DraftModel
 from ..ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
 from . import backend as B
-from .data import StepSampler, collate, eval_rows_of_rank, open_rows, split_indices, token_rows
+from .data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices, token_rows
 from .logs import PLOT_FILE, MetricsLogger, plot_curves
 from .target_head import load_target_head
 
 STATE_FILE, LATEST, EXPORT_DIR, SUMMARY_FILE = "trainer_state.json", "latest", "draft", "train_summary.json"
-RESUME_KEYS = ("world_size", "micro_batch_size", "grad_accum", "seed", "total_steps", "backend", "eval_rows", "data")
+# what a resumed run must share with its checkpoint: the same rows per step in the same order, the same loss
+# (rows_per_step and per_row_loss, not how a step is split: --micro-batch-size R --pack-rows == --grad-accum R)
+RESUME_KEYS = ("world_size", "rows_per_step", "per_row_loss", "seed", "total_steps", "backend", "eval_rows", "data")
+
+
+def step_rows(state: dict) -> dict:
+    """rows_per_step and per_row_loss (each row's loss averaged over its own positions: one row per forward, or
+    packed rows) of a trainer state; older states have only micro_batch_size and grad_accum."""
+    micro = state.get("micro_batch_size", 1)
+    return {"rows_per_step": state.get("world_size", 1) * micro * state.get("grad_accum", 1),
+            "per_row_loss": micro == 1 or bool(state.get("pack_rows"))}
 
 
 @dataclass
@@ -54,6 +64,7 @@ class TrainConfig:
     max_length: int = 2048
     micro_batch_size: int = 1
     grad_accum: int = 1
+    pack_rows: bool = False                  # a micro-batch's rows end to end in one sequence (no padding)
     epochs: float = 1.0
     max_steps: Optional[int] = None
     lr: float = 5e-5
@@ -352,7 +363,7 @@ class Trainer:
             with torch.no_grad():
                 batch["aux_hidden_states"], batch["last_hidden"] = self.target.features(
                     batch["input_ids"], batch["attention_mask"])
-        return batch
+        return pack(batch) if self.cfg.pack_rows else batch
 
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -386,7 +397,9 @@ class Trainer:
     def _state(self, step: int) -> dict:
         c = self.cfg
         return {"step": step, "total_steps": self.total_steps, "world_size": self.world,
-                "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "seed": c.seed,
+                "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
+                "rows_per_step": self.world * c.micro_batch_size * c.grad_accum,
+                "per_row_loss": c.micro_batch_size == 1 or c.pack_rows, "seed": c.seed,
                 "backend": self.backend_name, "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
                 "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
                 "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
@@ -437,6 +450,7 @@ class Trainer:
             raise ConfigError(f"{path}: that run finished its planned {state['total_steps']} steps; its warm-up + cosine "
                               f"schedule cannot be stretched to {now['total_steps']}. Continue training from its draft "
                               f"in a new folder: --init-from {os.path.join(self.cfg.out, EXPORT_DIR)} --out NEW_RUN")
+        state = {**state, **step_rows(state)}
         diff = [f"{k}: checkpoint {state.get(k)} vs now {now[k]}" for k in RESUME_KEYS if state.get(k) != now[k]]
         if diff:
             raise ConfigError(f"cannot resume {path} with the same data order and schedule: " + "; ".join(diff))
