@@ -217,6 +217,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
 
     hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
     attend = TTTAttention(attention_mask.bool(), row_lengths)
+    num_rows = len(row_lengths) if row_lengths is not None else B
     zero = torch.zeros((), device=dev)
     total, feat_loss = zero, None
     step_loss, step_correct, step_count = [], [], []
@@ -228,8 +229,12 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
         h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
-        in_row = None if row_id is None else row_id[:, :n] == row_id[:, k + 1:]   # [B, n] chain inside its row
-        sel = needed[:, k + 1:] if in_row is None else needed[:, k + 1:] & in_row   # [B, n] positions with logits
+        sel, v = needed[:, k + 1:], valid[:, k + 1:]                       # [B, n] positions with logits / counted
+        row_of_base = None
+        if row_id is not None:                                             # packed: no chain runs into the next row
+            row_of_base = row_id[:, :n]
+            in_row = row_of_base == row_id[:, k + 1:]
+            sel, v = sel & in_row, v & in_row
         logits = draft.compute_logits(h[sel])                              # [S, Vd]
         p = p_needed[row_of[:, k + 1:][sel]]                               # [S, Vd]
         if fused_ce:
@@ -238,19 +243,17 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             ce = -(p * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
         m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[sel].float()     # [S] positions this step's loss scores
-        loss_k = _mean_loss(ce * m, m, None if row_id is None else row_id[:, :n][sel], row_lengths)
+        loss_k = _mean_loss(ce * m, m, None if row_of_base is None else row_of_base[sel], num_rows)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:
             wide = _wide(h.dtype)
             fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, n]
-            fm = valid[:, 1:] if in_row is None else valid[:, 1:] & in_row
-            feat_loss = _mean_loss(fl[fm], fm[fm].to(fl.dtype), None if row_id is None else row_id[:, :n][fm],
-                                   row_lengths)
+            feat_loss = _mean_loss(fl[v], torch.ones_like(fl[v]), None if row_of_base is None else row_of_base[v],
+                                   num_rows)
             total = total + feature_loss_weight * feat_loss
         with torch.no_grad():
             ok = torch.zeros_like(sel)                                     # [B, n] draft's pick == target's
             ok[sel] = draft_ids[_argmax(logits)] == top[:, k + 1:][sel]
-            v = valid[:, k + 1:] if in_row is None else valid[:, k + 1:] & in_row
             step_loss.append(loss_k.detach())
             step_correct.append((ok & v).sum().float())
             step_count.append(v.sum().float())
@@ -275,14 +278,14 @@ def _packed_rows(row_lengths: Optional[list[int]], B: int, T: int, dev) -> tuple
     return row_id.view(1, T), (torch.arange(T, device=dev) - starts[row_id]).view(1, T)
 
 
-def _mean_loss(weighted: torch.Tensor, weight: torch.Tensor, row_of: Optional[torch.Tensor],
-               row_lengths: Optional[list[int]]) -> torch.Tensor:
-    """sum(weighted) / sum(weight) [S] -> scalar; packed rows (row_of [S]): the mean over rows of each row's own."""
+def _mean_loss(weighted: torch.Tensor, weight: torch.Tensor, row_of: Optional[torch.Tensor] = None,
+               num_rows: int = 1) -> torch.Tensor:
+    """sum(weighted) / sum(weight) [S] -> scalar; packed rows (row_of [S] in 0..num_rows-1): the mean over all rows
+    of each row's own (a row with nothing scored counts 0, as when it runs alone)."""
     if row_of is None:
         return weighted.sum() / weight.sum().clamp(min=1.0)
-    R = len(row_lengths)
-    num = torch.zeros(R, dtype=weighted.dtype, device=weighted.device).index_add(0, row_of, weighted)
-    den = torch.zeros(R, dtype=weight.dtype, device=weight.device).index_add(0, row_of, weight)
+    num = torch.zeros(num_rows, dtype=weighted.dtype, device=weighted.device).index_add(0, row_of, weighted)
+    den = torch.zeros(num_rows, dtype=weight.dtype, device=weight.device).index_add(0, row_of, weight)
     return (num / den.clamp(min=1.0)).mean()
 
 

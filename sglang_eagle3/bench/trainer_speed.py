@@ -111,7 +111,7 @@ def run(argv=None) -> int:
             if online:                                                   # what training without a dump pays
                 with torch.no_grad():
                     group = [(x, m, *tm.features(x)) for x, m, _, _ in group]
-            x, m, aux, last = (torch.cat(parts, 1) for parts in zip(*group))
+            x, m, aux, last = group[0] if pack == 1 else (torch.cat(parts, 1) for parts in zip(*group))
             lengths = [g[0].shape[1] for g in group] if pack > 1 else None
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused,

@@ -396,13 +396,12 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _state(self, step: int) -> dict:
         c = self.cfg
-        return {"step": step, "total_steps": self.total_steps, "world_size": self.world,
-                "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
-                "rows_per_step": self.world * c.micro_batch_size * c.grad_accum,
-                "per_row_loss": c.micro_batch_size == 1 or c.pack_rows, "seed": c.seed,
-                "backend": self.backend_name, "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
-                "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
-                "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
+        state = {"step": step, "total_steps": self.total_steps, "world_size": self.world,
+                 "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
+                 "seed": c.seed, "backend": self.backend_name, "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
+                 "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
+                 "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
+        return {**state, **step_rows(state)}
 
     def save_checkpoint(self, step: int) -> str:
         """All ranks write into checkpoints/.tmp-step_N; rank 0 renames it to step_N and updates `latest`."""
