@@ -52,10 +52,16 @@ bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs ou
 # The embedded draft's recipe, one resumable stage per target (each prints progress + ETA; rerun to resume).
 RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v3
 GSM8K_ROWS ?= 2500
-SHAREGPT1K_ROWS ?= 700
-SHAREGPT_PROMPT_CHARS ?= 1000
+SHAREGPT1K_ROWS ?= 1000
+SHAREGPT_PROMPT_CHARS ?= 6000
 REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-tokens 512 --batch-size 32 --write-every 384
-REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl
+# SAMPLED_ROWS: the first ShareGPT prompts answered once more, sampled at SAMPLED_T (seeded): more distinct
+# contexts drawn from the target's own distribution (0: none)
+SAMPLED_ROWS ?= 1500
+SAMPLED_T ?= 0.7
+SAMPLED_OUT = $(if $(filter-out 0,$(SAMPLED_ROWS)),$(RUN)/regen_sharegpt_t$(SAMPLED_T).jsonl)
+REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl \
+	    $(SAMPLED_OUT)
 MAX_LEN ?= 2048
 STEPS  ?= 2000
 LR     ?= 1e-3
@@ -84,16 +90,20 @@ regenerate: $(STAMP)  ## every training prompt answered by the embedded target i
 	$(REGEN) $(DATA)/train/alpaca_en_demo.json --out $(RUN)/regen_alpaca.jsonl
 	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
 	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows $(SHAREGPT1K_ROWS) --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
+	$(if $(SAMPLED_OUT),$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-rows $(SAMPLED_ROWS) \
+	    --max-prompt-chars $(SHAREGPT_PROMPT_CHARS) --temperature $(SAMPLED_T) --seed 0 --out $(SAMPLED_OUT))
 
 data: $(STAMP)  ## tokenize the regenerated answers (rows up to MAX_LEN tokens; LOOPS=cut|drop|keep) + draft vocab
 	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done
 	$(BIN)/eagle3 prepare-data $(REGEN_OUT) --target testbed --out $(DATA_OUT) --max-length $(MAX_LEN) \
 	    --length-policy drop --draft-vocab-size 8192 $(LOOP_FLAGS) --overwrite
 
+# REUSE: finished dumps (same target and settings) whose rows are copied, e.g. REUSE=$(RUN)/dump_v5 after data grew
+REUSE  ?=
 dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards (resumable)
 	@test -f $(DATA_OUT)/stats.json || { echo "missing $(DATA_OUT): run 'make data' first"; exit 2; }
 	$(BIN)/python train/dump_hidden_states.py --target testbed --data $(DATA_OUT) --out $(DUMP_OUT) \
-	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096
+	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096 $(foreach d,$(REUSE),--reuse $(d))
 
 TRAIN_ARGS = --target testbed --data $(DUMP_OUT) --out $(TRAIN_OUT) \
 	    $(if $(INIT),,--draft-vocab $(DATA_OUT)/draft_vocab.safetensors) \

@@ -141,12 +141,22 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 
 
 @torch.no_grad()
-def compute_shard(target, rows, dtype: torch.dtype, batch_tokens: int, bar=None) -> dict[str, torch.Tensor]:
-    """Target features for a list of rows -> the shard's tensors (rows kept in order)."""
+def compute_shard(target, rows, dtype: torch.dtype, batch_tokens: int, bar=None,
+                  reuse: Optional["FeatureReuse"] = None) -> dict[str, torch.Tensor]:
+    """Target features for a list of rows -> the shard's tensors (rows kept in order). Rows that `reuse`
+    holds are copied from there; the target runs over the rest."""
     dev = target.device
     aux_out: list = [None] * len(rows)
     last_out: list = [None] * len(rows)
-    for idx in length_batches([len(r[0]) for r in rows], batch_tokens):
+    for i, (ids, _) in enumerate(rows):
+        hit = reuse.lookup(ids) if reuse is not None else None
+        if hit is not None:
+            aux_out[i], last_out[i] = hit
+            if bar is not None:
+                bar.update(len(ids))
+    todo = [i for i in range(len(rows)) if aux_out[i] is None]
+    for batch in length_batches([len(rows[i][0]) for i in todo], batch_tokens):
+        idx = [todo[j] for j in batch]
         T = len(rows[idx[0]][0])
         ids = torch.zeros(len(idx), T, dtype=torch.long)
         am = torch.zeros(len(idx), T, dtype=torch.long)
@@ -210,7 +220,14 @@ def dump_settings(target, rows, dtype: torch.dtype, rows_per_shard: int, source:
                    "hidden_size": target.hidden_size, "vocab_size": target.vocab_size},
         "aux_layer_ids": list(target.aux_layer_ids),
         "last_hidden": "after_final_norm",
+        "target_dtype": str(target.dtype).replace("torch.", ""),
     }
+
+
+# settings a dump made before they were recorded lacks: such a dump is resumed (and reused) as it is
+LATER_KEYS = ("target_dtype",)
+# what makes two dumps' features interchangeable row for row (the rows themselves may differ)
+FEATURE_KEYS = ("format_version", "dtype", "target", "aux_layer_ids", "last_hidden", "target_dtype")
 
 
 def check_settings(out_dir: str, settings: dict) -> None:
@@ -218,7 +235,8 @@ def check_settings(out_dir: str, settings: dict) -> None:
     path = os.path.join(out_dir, CONFIG)
     if os.path.isfile(path):
         old = _read_json(path)
-        diff = [k for k in settings if k != "source" and old.get(k) != settings[k]]
+        diff = [k for k in settings if k != "source" and old.get(k) != settings[k]
+                and not (k in LATER_KEYS and k not in old)]
         if diff:
             raise DumpError(f"{path}: this dump was started with other settings ({', '.join(diff)}: "
                             f"{[old.get(k) for k in diff]} vs {[settings[k] for k in diff]}); "
@@ -248,13 +266,16 @@ def finalize(out_dir: str) -> Optional[dict]:
 def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per_shard: int = 256,
                        batch_tokens: int = 8192, dtype: torch.dtype = torch.bfloat16, rank: int = 0,
                        world_size: int = 1, overwrite: bool = False, check_disk: bool = True,
-                       progress: bool = True, log=print) -> Optional[dict]:
-    """Dump this rank's shards (skipping finished ones); returns the manifest if the dump is now complete."""
+                       progress: bool = True, reuse: Sequence[str] = (), log=print) -> Optional[dict]:
+    """Dump this rank's shards (skipping finished ones); returns the manifest if the dump is now complete.
+    reuse: finished dumps of the same target and settings whose rows are copied, not recomputed."""
     from tqdm import tqdm
     if rows_per_shard < 1 or batch_tokens < 1:
         raise DumpError("--rows-per-shard and --batch-tokens must be >= 1")
     if overwrite and world_size > 1:
         raise DumpError("--overwrite with --world-size > 1 would race: delete the --out directory first")
+    if any(os.path.realpath(r) == os.path.realpath(out_dir) for r in reuse):
+        raise DumpError(f"--reuse {out_dir} is the --out directory itself: reuse another, finished dump")
     if overwrite and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -278,15 +299,53 @@ def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per
     if len(todo) < len(mine):
         log(f"dump: rank {rank}: {len(mine) - len(todo)} shards already done, {len(todo)} to go")
     todo_tokens = sum(len(rows[r][0]) for i in todo for r in range(*ranges[i]))
+    reused = FeatureReuse(reuse, settings) if reuse and todo else None
+    if reused is not None:
+        hits = sum(len(rows[r][0]) for i in todo for r in range(*ranges[i]) if reused.has(rows[r][0]))
+        log(f"dump: {hits:,} of the {todo_tokens:,} tokens to go are copied from {', '.join(reuse)}; "
+            f"the target runs over {todo_tokens - hits:,}")
     with tqdm(total=todo_tokens, unit=" tok", unit_scale=True, desc=f"dump rank {rank}", position=rank,
               disable=not progress) as bar:
         for i in todo:
             s, e = ranges[i]
-            write_shard(out_dir, i, compute_shard(target, rows[s:e], dtype, batch_tokens, bar), (s, e))
+            write_shard(out_dir, i, compute_shard(target, rows[s:e], dtype, batch_tokens, bar, reused), (s, e))
     manifest = finalize(out_dir)
     if manifest is None:
         log(f"dump: rank {rank} done; waiting for other ranks' shards before manifest.json is written")
     return manifest
+
+
+def _row_key(ids: np.ndarray) -> bytes:
+    return hashlib.sha1(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).digest()
+
+
+class FeatureReuse:
+    """The rows of finished dumps, found by their token ids: features depend only on the ids (and the target
+    and settings, which must match), so a dump of a grown dataset copies the rows it already has."""
+
+    def __init__(self, paths: Sequence[str], settings: dict):
+        self.dumps, self.index = [], {}
+        for path in paths:
+            dump = HiddenStateDump(path, verify="size")
+            diff = [k for k in FEATURE_KEYS if k in dump.manifest and dump.manifest.get(k) != settings[k]]
+            diff += [k for k in FEATURE_KEYS if k not in dump.manifest and k not in LATER_KEYS]
+            if diff:
+                raise DumpError(f"--reuse {path}: made with other settings ({', '.join(diff)}: "
+                                f"{[dump.manifest.get(k) for k in diff]} vs {[settings[k] for k in diff]})")
+            for r in range(len(dump)):
+                self.index.setdefault(_row_key(dump.token_row(r)[0]), (len(self.dumps), r))
+            self.dumps.append(dump)
+
+    def has(self, ids: np.ndarray) -> bool:
+        return _row_key(ids) in self.index
+
+    def lookup(self, ids: np.ndarray) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux_hidden_states [n, n_aux*H], last_hidden [n, H]) of a row with these ids, or None."""
+        hit = self.index.get(_row_key(ids))
+        if hit is None:
+            return None
+        row = self.dumps[hit[0]].read(hit[1])
+        return row["aux_hidden_states"], row["last_hidden"]
 
 
 # ---- reading ---------------------------------------------------------------------------------

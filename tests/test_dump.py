@@ -193,3 +193,41 @@ def test_prepared_dataset_dir_is_read(tmp_path):
     got = hd.load_token_rows(str(d))
     assert [g[0].tolist() for g in got] == [r[0].tolist() for r in rows]
     assert [g[1].tolist() for g in got] == [r[1].tolist() for r in rows]
+
+
+def test_reuse_copies_known_rows_and_computes_only_new_ones(tiny, tmp_path, monkeypatch):
+    _, target = tiny
+    old_rows, new_rows = make_rows(6, seed=2), make_rows(3, seed=3)
+    quiet = dict(dtype=torch.float32, progress=False, log=lambda *_: None)
+    dump_hidden_states(target, old_rows, str(tmp_path / "old"), rows_per_shard=4, **quiet)
+    grown = [old_rows[4], new_rows[0], old_rows[1], new_rows[1], old_rows[0], new_rows[2]]   # another order
+    fresh = dump_hidden_states(target, grown, str(tmp_path / "fresh"), rows_per_shard=2, **quiet)
+    seen = []
+    real = target.features
+    monkeypatch.setattr(target, "features", lambda ids, am: (seen.append(int(am.sum())), real(ids, am))[1])
+    man = dump_hidden_states(target, grown, str(tmp_path / "grown"), rows_per_shard=2,
+                             reuse=[str(tmp_path / "old")], **quiet)
+    assert sum(seen) == sum(len(r[0]) for r in new_rows)          # the target ran over the new rows only
+    assert man["rows_sha256"] == fresh["rows_sha256"] and man["tokens"] == fresh["tokens"]
+    got, want, old = HiddenStateDump(str(tmp_path / "grown")), HiddenStateDump(str(tmp_path / "fresh")), \
+        HiddenStateDump(str(tmp_path / "old"))
+    for i in range(len(grown)):
+        for k in ("input_ids", "loss_mask"):
+            assert torch.equal(got[i][k], want[i][k])
+        for k in ("aux_hidden_states", "last_hidden"):
+            torch.testing.assert_close(got[i][k], want[i][k], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[0]["aux_hidden_states"], old[4]["aux_hidden_states"])     # copied bit for bit
+
+
+def test_reuse_with_other_settings_or_itself_is_refused(tiny, tmp_path):
+    _, target = tiny
+    rows = make_rows(3)
+    quiet = dict(progress=False, log=lambda *_: None)
+    dump_hidden_states(target, rows, str(tmp_path / "bf16"), rows_per_shard=2, dtype=torch.bfloat16, **quiet)
+    with pytest.raises(DumpError, match=r"--reuse .*bf16: made with other settings \(dtype"):
+        dump_hidden_states(target, rows, str(tmp_path / "fp32"), rows_per_shard=2, dtype=torch.float32,
+                           reuse=[str(tmp_path / "bf16")], **quiet)
+    with pytest.raises(DumpError, match="is the --out directory itself"):
+        dump_hidden_states(target, rows, str(tmp_path / "bf16"), rows_per_shard=2, dtype=torch.bfloat16,
+                           reuse=[str(tmp_path / "bf16")], overwrite=True, **quiet)
+    assert os.path.isfile(tmp_path / "bf16" / hd.MANIFEST)             # nothing was deleted

@@ -25,6 +25,9 @@ def add_dump_args(p) -> None:
     p.add_argument("--max-rows", type=int, default=None, help="dump only the first N rows")
     p.add_argument("--rank", type=int, default=None, help="this process's rank (default $RANK or 0)")
     p.add_argument("--world-size", type=int, default=None, help="number of processes (default $WORLD_SIZE or 1)")
+    p.add_argument("--reuse", action="append", default=[], metavar="DUMP",
+                   help="a finished dump of the same target and settings: rows it holds (same token ids) are "
+                        "copied instead of recomputed, so a grown dataset costs only its new rows (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="delete --out first (single process only)")
     p.add_argument("--no-disk-check", action="store_true", help="start even if the estimate exceeds free space")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -67,7 +70,7 @@ def run_dump(args) -> int:
     manifest = dump_hidden_states(target, rows, args.out, source=args.data, rows_per_shard=args.rows_per_shard,
                                   batch_tokens=args.batch_tokens, dtype=DTYPES[args.dtype], rank=rank,
                                   world_size=world, overwrite=args.overwrite, check_disk=not args.no_disk_check,
-                                  progress=not args.quiet)
+                                  progress=not args.quiet, reuse=args.reuse)
     if manifest is not None:
         size = sum(s["bytes"] for s in manifest["shards"])
         print(f"dump: complete: {manifest['rows']} rows, {manifest['tokens']:,} tokens, "
