@@ -231,3 +231,19 @@ def test_reuse_with_other_settings_or_itself_is_refused(tiny, tmp_path):
         dump_hidden_states(target, rows, str(tmp_path / "bf16"), rows_per_shard=2, dtype=torch.bfloat16,
                            reuse=[str(tmp_path / "bf16")], overwrite=True, **quiet)
     assert os.path.isfile(tmp_path / "bf16" / hd.MANIFEST)             # nothing was deleted
+
+
+def test_dump_from_before_target_dtype_was_recorded_resumes_and_is_reused(tiny, tmp_path):
+    _, target = tiny
+    rows = make_rows(4, seed=4)
+    quiet = dict(dtype=torch.float32, progress=False, log=lambda *_: None)
+    old = str(tmp_path / "old")
+    dump_hidden_states(target, rows, old, rows_per_shard=2, **quiet)
+    for name in (hd.CONFIG, hd.MANIFEST):                        # as an older version wrote them
+        path = os.path.join(old, name)
+        d = json.load(open(path))
+        del d["target_dtype"]
+        json.dump(d, open(path, "w"))
+    assert dump_hidden_states(target, rows, old, rows_per_shard=2, **quiet) is not None     # resumes (finished)
+    man = dump_hidden_states(target, rows[:3], str(tmp_path / "new"), rows_per_shard=2, reuse=[old], **quiet)
+    assert man["target_dtype"] == "float32" and man["rows"] == 3
