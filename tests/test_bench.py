@@ -3,6 +3,7 @@ SGLang's adaptive-config parser on what we write, a fake SGLang server, and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -456,3 +457,18 @@ def test_llamacpp_table_shows_each_rows_own_vanilla(tmp_path):
     text = render(r)
     assert "measured beside it" in text and " 100.0 |" in text and "0.90x" in text and "1.10x" in text
     assert os.path.exists(plot(r, str(tmp_path / "x.png")))
+
+
+def test_learning_curve_trend_extrapolates_the_later_half():
+    from sglang_eagle3.bench.curve import trend, trend_text
+    toks = [1e6 * 2 ** (i / 2) for i in range(9)]                 # 1M .. 16M tokens
+    pts = [{"tokens_total": t, "tau": {"a": 1.0 + 0.5 * math.log2(t / 1e6), "b": 2.0 - 0.01 * i}}
+           for i, t in enumerate(toks)]
+    pts[0]["tau"]["a"] = 9.0                                        # before the later half: not fitted
+    t = trend(pts, "a", 3.0)
+    assert t["points_fitted"] == 3 and t["from_tokens"] == toks[6]
+    assert t["gain_per_doubling"] == pytest.approx(0.5) and t["tokens_for_goal"] == pytest.approx(16e6)
+    flat = trend(pts, "b", 3.0)
+    assert flat["tokens_for_goal"] is None and "does not rise" in trend_text({"b": flat}, 3.0)
+    few = trend(pts[:2], "a", 3.0)
+    assert few["points_fitted"] == 2 and "gain_per_doubling" not in few and "too few" in trend_text({"a": few}, 3.0)

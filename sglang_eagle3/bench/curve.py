@@ -34,6 +34,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True, help="JSON; the PNG goes next to it")
+    p.add_argument("--goal", type=float, default=3.0, help="τ the trend line is extrapolated to (default 3.0)")
     p.add_argument("--fresh", action="store_true", help="measure every checkpoint again (default: reuse the points "
                    "of --out measured with the same settings)")
     add_spec_args(p)
@@ -101,16 +102,53 @@ def run(argv=None) -> int:
             print(f"{run_dir} step {step}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
                   + (" (earlier)" if reuse else ""), file=sys.stderr, flush=True)
         offset += last
-    result = {"format": FORMAT, "runs": a.run, **settings, "points": points, "evals": evals,
+    trends = {k: trend(points, k, a.goal) for k in sets}
+    result = {"format": FORMAT, "runs": a.run, **settings, "points": points, "evals": evals, "trend": trends,
               "meta": report.run_metadata()}
     report.write_json_atomic(a.out, result)
     png = plot(result, report.sibling(a.out, ".png"))
     rows = [[f"{p['tokens_total']:,}", p["step"]] + [f"{p['tau'][k]:.2f}" for k in sets] for p in points]
     text = report.format_table(["training tokens", "step"] + [f"τ {k}" for k in sets], rows)
+    text += "\n\n" + trend_text(trends, a.goal)
     print(text)
     report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
     print(f"wrote {os.path.abspath(a.out)}\n      {png}")
     return 0
+
+
+def trend(points: list[dict], name: str, goal: float) -> dict:
+    """Least-squares line τ = a + b * log2(tokens) through the points of the later half of the budget (the recent
+    trend; the first runs trained on other data): b is the gain per doubling of the budget, and tokens_for_goal
+    where the line reaches `goal` (None when it does not rise)."""
+    import numpy as np
+    if not points:
+        return {"points_fitted": 0}
+    half = points[-1]["tokens_total"] / 2
+    pts = [p for p in points if p["tokens_total"] >= half and p["tokens_total"] > 0]
+    out = {"points_fitted": len(pts), "from_tokens": pts[0]["tokens_total"] if pts else None}
+    if len(pts) < 3:
+        return out
+    x = np.log2([p["tokens_total"] for p in pts])
+    y = np.array([p["tau"][name] for p in pts])
+    b, a = np.polyfit(x, y, 1)
+    now = float(a + b * x[-1])
+    out.update(gain_per_doubling=float(b), tau_fit_at_end=now, residual_std=float(np.std(y - (a + b * x))),
+               tokens_for_goal=float(2 ** ((goal - a) / b)) if b > 0 else None)
+    return out
+
+
+def trend_text(trends: dict, goal: float) -> str:
+    lines = []
+    for name, t in trends.items():
+        if "gain_per_doubling" not in t:
+            lines.append(f"{name}: too few points for a trend")
+            continue
+        need = (f"τ {goal} at ~{t['tokens_for_goal']:.3g} tokens" if t["tokens_for_goal"] is not None
+                else f"τ {goal} not reached: the trend does not rise")
+        lines.append(f"{name}: trend over the last {t['points_fitted']} points (from {t['from_tokens']:,} tokens): "
+                     f"{t['gain_per_doubling']:+.3f} τ per doubling of the tokens (residual ±{t['residual_std']:.2f}), "
+                     f"τ {t['tau_fit_at_end']:.2f} at the end; {need}")
+    return "\n".join(lines)
 
 
 def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
