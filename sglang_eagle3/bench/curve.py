@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -180,8 +181,15 @@ def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
 def plot(r: dict, path: str) -> str:
     fig, (ax1, ax2) = report.subplots(1, 2, figsize=(11, 4))
     for name in (r["points"][0]["tau"] if r["points"] else {}):
-        ax1.plot([p["tokens_total"] for p in r["points"]], [p["tau"][name] for p in r["points"]], "o-",
-                 label=f"measured τ, {name}")
+        line, = ax1.plot([p["tokens_total"] for p in r["points"]], [p["tau"][name] for p in r["points"]], "o-",
+                         label=f"measured τ, {name}")
+        t = r.get("trend", {}).get(name, {})
+        if "gain_per_doubling" in t:                      # the fitted line over the fitted range
+            x0, x1 = t["from_tokens"], r["points"][-1]["tokens_total"]
+            y1 = t["tau_fit_at_end"]
+            y0 = y1 - t["gain_per_doubling"] * math.log2(x1 / x0)
+            ax1.plot([x0, x1], [y0, y1], ":", color=line.get_color(),
+                     label=f"trend {name}: {t['gain_per_doubling']:+.2f} τ per doubling")
     ev = r["evals"]
     if ev:
         ax1.plot([e["tokens_total"] for e in ev], [e["accept_length"] for e in ev], "--", color="gray",
