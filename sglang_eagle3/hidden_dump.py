@@ -13,7 +13,9 @@ time), the token id and the loss mask. Rows are grouped into shards of `rows_per
 Shard i belongs to rank i % world_size, so any number of processes (or torchrun) split the work without
 talking to each other; each file is written to a temporary name and renamed, so a killed run resumes by
 skipping finished shards and redoing the rest. `HiddenStateDump` reads a finished dump and checks every
-shard against the manifest (size, and sha256 unless told otherwise).
+shard against the manifest (size, and sha256 unless told otherwise). `reuse=[OLD]` (`--reuse`) copies the rows a
+finished dump of the same target and settings already holds (found by their token ids), so a dataset that grew
+costs a target pass over its new rows only.
 """
 from __future__ import annotations
 
