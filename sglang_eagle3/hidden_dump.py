@@ -150,8 +150,8 @@ def compute_shard(target, rows, dtype: torch.dtype, batch_tokens: int, bar=None,
     dev = target.device
     aux_out: list = [None] * len(rows)
     last_out: list = [None] * len(rows)
-    for i, (ids, _) in enumerate(rows):
-        hit = reuse.lookup(ids) if reuse is not None else None
+    for i, (ids, _) in enumerate(rows if reuse is not None else ()):
+        hit = reuse.lookup(ids)
         if hit is not None:
             aux_out[i], last_out[i] = hit
             if bar is not None:
@@ -232,13 +232,18 @@ LATER_KEYS = ("target_dtype",)
 FEATURE_KEYS = ("format_version", "dtype", "target", "aux_layer_ids", "last_hidden", "target_dtype")
 
 
+def differing_settings(old: dict, new: dict, keys) -> list[str]:
+    """Keys whose values differ between a recorded dump config and new settings (a LATER_KEYS key the old
+    config lacks is not a difference)."""
+    return [k for k in keys if old.get(k) != new[k] and not (k in LATER_KEYS and k not in old)]
+
+
 def check_settings(out_dir: str, settings: dict) -> None:
     """Write dump_config.json, or make sure an existing one (a run being resumed) has the same settings."""
     path = os.path.join(out_dir, CONFIG)
     if os.path.isfile(path):
         old = _read_json(path)
-        diff = [k for k in settings if k != "source" and old.get(k) != settings[k]
-                and not (k in LATER_KEYS and k not in old)]
+        diff = differing_settings(old, settings, [k for k in settings if k != "source"])
         if diff:
             raise DumpError(f"{path}: this dump was started with other settings ({', '.join(diff)}: "
                             f"{[old.get(k) for k in diff]} vs {[settings[k] for k in diff]}); "
@@ -328,9 +333,11 @@ class FeatureReuse:
     def __init__(self, paths: Sequence[str], settings: dict):
         self.dumps, self.index = [], {}
         for path in paths:
-            dump = HiddenStateDump(path, verify="size")
-            diff = [k for k in FEATURE_KEYS if k in dump.manifest and dump.manifest.get(k) != settings[k]]
-            diff += [k for k in FEATURE_KEYS if k not in dump.manifest and k not in LATER_KEYS]
+            try:
+                dump = HiddenStateDump(path, verify="size")
+            except DumpError as e:
+                raise DumpError(f"--reuse {path}: not a finished dump ({e})") from None
+            diff = differing_settings(dump.manifest, settings, FEATURE_KEYS)
             if diff:
                 raise DumpError(f"--reuse {path}: made with other settings ({', '.join(diff)}: "
                                 f"{[dump.manifest.get(k) for k in diff]} vs {[settings[k] for k in diff]})")

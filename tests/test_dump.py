@@ -247,3 +247,10 @@ def test_dump_from_before_target_dtype_was_recorded_resumes_and_is_reused(tiny, 
     assert dump_hidden_states(target, rows, old, rows_per_shard=2, **quiet) is not None     # resumes (finished)
     man = dump_hidden_states(target, rows[:3], str(tmp_path / "new"), rows_per_shard=2, reuse=[old], **quiet)
     assert man["target_dtype"] == "float32" and man["rows"] == 3
+
+
+def test_reuse_of_an_unfinished_or_missing_dump_names_the_flag(tiny, tmp_path):
+    _, target = tiny
+    with pytest.raises(DumpError, match=r"--reuse .*nope: not a finished dump \(.*no manifest.json\)"):
+        dump_hidden_states(target, make_rows(2), str(tmp_path / "d"), rows_per_shard=2, progress=False,
+                           reuse=[str(tmp_path / "nope")], log=lambda *_: None)
