@@ -74,6 +74,12 @@ FEATURES ?= fused
 FEATURE_LOSS ?= 0
 EAGLE31 ?= 0
 INIT   ?=
+# DATA_START: read the data order from this step on (a run continuing INIT's run on the same data reads new rows)
+DATA_START ?= 0
+# VOCAB_SIZE: re-select a draft vocabulary of this size from the training rows (with INIT: the draft's output rows
+# are carried over to it, new tokens start from the target's rows); empty: the data's (or INIT's) vocabulary
+VOCAB_SIZE ?=
+WARMUP ?= 0.02
 # LOOPS: what to do with answers stuck in a loop (fewer than half of their 8-grams distinct; 2,016 of 5,016
 # regenerated rows, 62% of the tokens): cut (default: keep each row up to where its loop begins), drop, keep.
 # keep writes data/dump/train (the first run's folders); cut and drop write data_<LOOPS>/dump_<LOOPS>/train_<LOOPS>.
@@ -106,11 +112,11 @@ dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards
 	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096 $(foreach d,$(REUSE),--reuse $(d))
 
 TRAIN_ARGS = --target testbed --data $(DUMP_OUT) --out $(TRAIN_OUT) \
-	    $(if $(INIT),,--draft-vocab $(DATA_OUT)/draft_vocab.safetensors) \
-	    --max-length $(MAX_LEN) --lr $(LR) --warmup-ratio 0.02 --min-lr-ratio 0.1 $(if $(filter 1,$(PACK)),--micro-batch-size $(ROWS) --pack-rows,--grad-accum $(ROWS)) \
+	    $(if $(VOCAB_SIZE),--draft-vocab-size $(VOCAB_SIZE),$(if $(INIT),,--draft-vocab $(DATA_OUT)/draft_vocab.safetensors)) \
+	    --max-length $(MAX_LEN) --lr $(LR) --warmup-ratio $(WARMUP) --min-lr-ratio 0.1 $(if $(filter 1,$(PACK)),--micro-batch-size $(ROWS) --pack-rows,--grad-accum $(ROWS)) \
 	    --max-steps $(STEPS) --eval-every 100 --save-every 25 --keep-every $(KEEP_EVERY) --eval-rows 32 --features $(FEATURES) \
 	    --feature-loss-weight $(FEATURE_LOSS) $(if $(filter 1,$(EAGLE31)),--fc-norm --norm-output) \
-	    $(if $(INIT),--init-from $(INIT)) --resume $(TRAIN_FLAGS)
+	    $(if $(INIT),--init-from $(INIT)) --data-start-step $(DATA_START) --resume $(TRAIN_FLAGS)
 train: $(STAMP)  ## train the draft from the dump (resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
 	@test -f $(DUMP_OUT)/manifest.json || { echo "missing $(DUMP_OUT): run 'make dump' first"; exit 2; }
 ifeq ($(NPROC),1)

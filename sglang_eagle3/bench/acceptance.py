@@ -76,7 +76,8 @@ def run_conversation(engine, turns: list[str], make_params) -> dict:
             "accept_lengths": steps}
 
 
-def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool) -> dict:
+def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool, in_draft_vocab=None) -> dict:
+    """in_draft_vocab: [vocab] bool, the target ids the draft can propose (counts the vanilla tokens it holds)."""
     runs = {}
     for name in (("spec", "vanilla") if spec_first else ("vanilla", "spec")):
         runs[name] = run_conversation(spec_engine if name == "spec" else van_engine, turns, make_params)
@@ -87,6 +88,8 @@ def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool) 
             "speedup": report.safe_div(tps_s, tps_v) if tps_v and tps_s else None,
             "decode_steps": len(s["accept_lengths"]), "accepted_tokens": sum(s["accept_lengths"]),
             "identical": v["token_ids"] == s["token_ids"], "spec_first": spec_first,
+            "in_draft_vocab": None if in_draft_vocab is None else
+            sum(int(in_draft_vocab[t].sum()) for t in v["token_ids"] if len(t)),
             "_accept_lengths": s["accept_lengths"]}
 
 
@@ -103,6 +106,10 @@ def summarize_set(rows: list[dict], greedy: bool, max_accept: int = 1) -> dict:
            "tokens_per_s_vanilla": tps_v, "tokens_per_s_spec": tps_s,
            "tokens_vanilla": tok_v, "tokens_spec": tok_s, "time_vanilla_s": t_v, "time_spec_s": t_s,
            "decode_steps": steps,
+           # share of the target's own (vanilla) tokens the draft vocabulary holds: no draft can be accepted on
+           # the others, so it caps the acceptance rate
+           "draft_vocab_coverage": report.safe_div(sum(r["in_draft_vocab"] for r in rows), tok_v)
+           if all(r.get("in_draft_vocab") is not None for r in rows) else None,
            "accept_histogram": {str(k): hist[k] for k in range(1, max(max(hist, default=1), max_accept) + 1)}}
     if greedy:
         out["identical_to_vanilla"] = sum(r["identical"] for r in rows)
@@ -116,14 +123,19 @@ def average_row(sets: dict) -> dict:
         return sum(xs) / len(xs) if xs else None
     return {"tau": mean("tau"), "speedup_median": mean("speedup_median"), "speedup_total": mean("speedup_total"),
             "tokens_per_s_vanilla": mean("tokens_per_s_vanilla"), "tokens_per_s_spec": mean("tokens_per_s_spec"),
-            "n_prompts": sum(s["n_prompts"] for s in sets.values()),
+            "draft_vocab_coverage": mean("draft_vocab_coverage"), "n_prompts": sum(s["n_prompts"] for s in sets.values()),
             "tokens_spec": sum(s["tokens_spec"] for s in sets.values())}
 
 
 # ---- outputs ---------------------------------------------------------------------------------
 
 
-TABLE_HEADERS = ["Set", "Speed-up", "τ", "n", "tokens", "vanilla tok/s", "EAGLE-3 tok/s", "speed-up (totals)"]
+TABLE_HEADERS = ["Set", "Speed-up", "τ", "n", "tokens", "vanilla tok/s", "EAGLE-3 tok/s", "speed-up (totals)",
+                 "in draft vocab"]
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def table_rows(result: dict) -> list[list]:
@@ -131,7 +143,7 @@ def table_rows(result: dict) -> list[list]:
     for name, s in list(result["sets"].items()) + [("Average", result["average"])]:
         rows.append([PAPER_NAMES.get(name, name), report.fmt_speedup(s["speedup_median"]), s["tau"],
                      s["n_prompts"], s["tokens_spec"], s["tokens_per_s_vanilla"], s["tokens_per_s_spec"],
-                     report.fmt_speedup(s["speedup_total"])])
+                     report.fmt_speedup(s["speedup_total"]), _pct(s.get("draft_vocab_coverage"))])
     return rows
 
 
@@ -141,7 +153,8 @@ def caption(result: dict) -> str:
     return (f"Temperature={c['temperature']:g}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
             f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}; "
             f"max_new_tokens={c['max_new_tokens']}; speed-up = median over prompts of speculative/vanilla tokens/s "
-            f"(same engine, alternated runs); τ = {TAU_DEFINITION}.")
+            f"(same engine, alternated runs); τ = {TAU_DEFINITION}; in draft vocab = share of the vanilla run's tokens "
+            f"the draft vocabulary holds (no draft token is accepted on the others).")
 
 
 def markdown_report(result: dict) -> str:
@@ -254,6 +267,7 @@ def run(argv=None) -> int:
 
     spec_engine = load_engine(target, draft, spec, a.dtype)
     van_engine = SpeculativeEngine(spec_engine.target, None)
+    in_draft_vocab = spec_engine.draft.t2d.cpu()                      # [vocab] bool
     warm = [[{"role": "user", "content": "Hello"}]]
     for eng in (van_engine, spec_engine):                 # first-call overheads out of the timings
         eng.generate(warm, SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -272,7 +286,8 @@ def run(argv=None) -> int:
             def make_params(k, i=i):
                 from dataclasses import replace
                 return replace(base, seed=turn_seed(a.seed, si, i, k)) if a.temperature > 0 else base
-            rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, spec_first=i % 2 == 1))
+            rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, spec_first=i % 2 == 1,
+                                     in_draft_vocab=in_draft_vocab))
             tau = report.safe_div(sum(r["accepted_tokens"] for r in rows), sum(r["decode_steps"] for r in rows))
             bar.set_postfix_str(f"{name} τ={report.fmt_num(tau)}")
             bar.update(1)

@@ -130,6 +130,9 @@ def add_train_args(p) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=0.5)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--data-start-step", type=int, default=0,
+                   help="start reading the (seeded) data order at this step: continue where an earlier run on the "
+                        "same data, seed and rows per step stopped (e.g. with --init-from its draft)")
     g = p.add_argument_group("runtime")
     g.add_argument("--backend", choices=["auto", "deepspeed", "ddp"], default="auto",
                    help="auto: DeepSpeed if importable, else PyTorch DDP")
@@ -185,6 +188,7 @@ def train_config(args):
         backend=args.backend, zero_stage=args.zero_stage, deepspeed_config=args.deepspeed_config,
         dtype=args.dtype, device=args.device, eval_every=args.eval_every, save_every=args.save_every,
         log_every=args.log_every, keep_checkpoints=args.keep_checkpoints, keep_every=args.keep_every, resume=args.resume, seed=args.seed,
+        data_start_step=args.data_start_step,
         verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
 
 

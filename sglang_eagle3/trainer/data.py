@@ -55,13 +55,17 @@ class StepSampler:
 
     rows_per_step = world_size * micro_batch_size * grad_accum; micro-batch a of rank r takes the slice
     [(a * world + r) * micro, ...). The order depends only on (seed, epoch), so step s after a restart reads
-    exactly what it would have read. A last partial step of an epoch is dropped.
+    exactly what it would have read. A last partial step of an epoch is dropped. `start_step` shifts the whole
+    order: step s reads what step start_step + s would have read (a run that continues another one on the same
+    data, seed and rows per step reads the rows the first run did not reach).
     """
 
     def __init__(self, train_idx: np.ndarray, world_size: int, rank: int, micro_batch_size: int,
-                 grad_accum: int, seed: int):
+                 grad_accum: int, seed: int, start_step: int = 0):
+        if start_step < 0:
+            raise ValueError(f"--data-start-step {start_step} must be >= 0")
         self.idx, self.world, self.rank = np.asarray(train_idx), world_size, rank
-        self.micro, self.accum, self.seed = micro_batch_size, grad_accum, seed
+        self.micro, self.accum, self.seed, self.start_step = micro_batch_size, grad_accum, seed, start_step
         self.rows_per_step = world_size * micro_batch_size * grad_accum
         self.steps_per_epoch = len(self.idx) // self.rows_per_step
         if self.steps_per_epoch == 0:
@@ -70,10 +74,10 @@ class StepSampler:
         self._perm_epoch, self._perm = -1, None
 
     def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
+        return (self.start_step + step) // self.steps_per_epoch
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        epoch, k = divmod(step, self.steps_per_epoch)
+        epoch, k = divmod(self.start_step + step, self.steps_per_epoch)
         if epoch != self._perm_epoch:
             self._perm = self.idx[np.random.default_rng([self.seed, epoch]).permutation(len(self.idx))]
             self._perm_epoch = epoch

@@ -30,7 +30,8 @@ from .target_head import load_target_head
 STATE_FILE, LATEST, EXPORT_DIR, SUMMARY_FILE = "trainer_state.json", "latest", "draft", "train_summary.json"
 # what a resumed run must share with its checkpoint: the same rows per step in the same order, the same loss
 # (rows_per_step and per_row_loss, not how a step is split: --micro-batch-size R --pack-rows == --grad-accum R)
-RESUME_KEYS = ("world_size", "rows_per_step", "per_row_loss", "seed", "total_steps", "backend", "eval_rows", "data")
+RESUME_KEYS = ("world_size", "rows_per_step", "per_row_loss", "seed", "data_start_step", "total_steps", "backend",
+               "eval_rows", "data")
 
 
 def step_rows(state: dict) -> dict:
@@ -85,6 +86,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False                  # start again in a run folder that holds checkpoints
     seed: int = 0
+    data_start_step: int = 0                 # read the data order from this step on (continue another run's data)
     verify_dumps: str = "sha256"
     tensorboard: bool = True
     progress: bool = True
@@ -186,11 +188,13 @@ def clear_run_folder(out: str) -> None:
             os.remove(path)
 
 
-def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, d2t_ids: torch.Tensor, path: str) -> None:
-    """--init-from must be a draft of the same shape, layers, variant and vocabulary as the one trained."""
+def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, d2t_ids: torch.Tensor, path: str,
+                          new_vocab: bool = False) -> None:
+    """--init-from must be a draft of the same shape, layers, variant and vocabulary as the one trained (the
+    vocabulary may differ where a new one was asked for: its output rows are then remapped)."""
     a, b = init.config.to_dict(), dc.to_dict()
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "draft_vocab_size", "target_hidden_size")
+            "vocab_size", "target_hidden_size") + (() if new_vocab else ("draft_vocab_size",))
     diff = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
     if init.config.aux_layer_ids != dc.aux_layer_ids:
         diff.append(f"aux layers: {init.config.aux_layer_ids} vs {dc.aux_layer_ids}")
@@ -198,7 +202,7 @@ def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, d2t_ids: tor
         if getattr(init.config, flag) != getattr(dc, flag):
             diff.append(f"{flag}: {getattr(init.config, flag)} vs {getattr(dc, flag)} (pass --{flag.replace('_', '-')} "
                         "to match)")
-    if not diff and not torch.equal(init.draft_to_target(torch.arange(dc.draft_vocab_size)), d2t_ids):
+    if not diff and not new_vocab and not torch.equal(init.draft_to_target(torch.arange(dc.draft_vocab_size)), d2t_ids):
         diff.append("draft vocabulary (d2t) differs: leave out --draft-vocab to reuse the draft's own")
     if diff:
         raise ConfigError(f"--init-from {path} does not match the draft being trained: " + "; ".join(diff))
@@ -249,7 +253,7 @@ class Trainer:
             self.eval_data = self.data
             self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_rows, cfg.seed)
         self.sampler = StepSampler(self.train_idx, self.world, self.rank, cfg.micro_batch_size, cfg.grad_accum,
-                                   cfg.seed)
+                                   cfg.seed, cfg.data_start_step)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.sampler.steps_per_epoch))
         self.eval_plan = eval_rows_of_rank(self.eval_idx, self.world, self.rank)
 
@@ -276,7 +280,8 @@ class Trainer:
         if cfg.features == "top":                  # one feature: the last hidden state (after the final norm)
             aux_ids = [tc.num_hidden_layers - 1]
         init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
-        d2t_ids = self._draft_vocab(tc.vocab_size) if init is None or cfg.draft_vocab else \
+        new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
+        d2t_ids = self._draft_vocab(tc.vocab_size) if init is None or new_vocab else \
             init.draft_to_target(torch.arange(init.config.draft_vocab_size))
         if cfg.draft_config:
             path = cfg.draft_config
@@ -289,13 +294,13 @@ class Trainer:
             dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
         dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
         if init is not None:
-            check_init_compatible(init, dc, d2t_ids, cfg.init_from)
+            check_init_compatible(init, dc, d2t_ids, cfg.init_from, new_vocab)
         self.draft_config = dc
         torch.manual_seed(cfg.seed)                # identical initial weights on every rank
         draft = Eagle3DraftModel(dc)
         draft.set_vocab_mapping(d2t_ids)
         if init is not None:
-            draft.load_state_dict(init.state_dict())
+            self._load_init(draft, init, d2t_ids, lm_head, new_vocab)
         if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
             draft.check_target(hf_config, aux_ids)
         if init is None and cfg.head_init == "target":
@@ -305,6 +310,20 @@ class Trainer:
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
                                 step_decay=cfg.step_decay, features=cfg.features,
                                 feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset)
+
+    def _load_init(self, draft: Eagle3DraftModel, init: Eagle3DraftModel, d2t_ids: torch.Tensor, lm_head: nn.Module,
+                   new_vocab: bool) -> None:
+        """--init-from's weights into `draft`; with a new vocabulary its output rows are remapped to it."""
+        state = init.state_dict()
+        if new_vocab:
+            from ..vocab import remap_lm_head
+            old_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
+            head, info = remap_lm_head(state["lm_head.weight"], old_ids, d2t_ids, lm_head.weight.detach().cpu())
+            state = {**state, "lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d}
+            _log(f"init: draft vocabulary {len(old_ids)} -> {len(d2t_ids)} tokens: {info['kept']} rows kept, "
+                 f"{info['new']} new rows from the target's head (affine fit cosine {info['fit_cosine']:.3f}), "
+                 f"{info['dropped']} dropped")
+        draft.load_state_dict(state)
 
     def _draft_vocab(self, vocab_size: int) -> torch.Tensor:
         from ..vocab import load_vocab, save_vocab, select_draft_vocab, count_tokens, format_report
@@ -398,7 +417,8 @@ class Trainer:
         c = self.cfg
         state = {"step": step, "total_steps": self.total_steps, "world_size": self.world,
                  "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
-                 "seed": c.seed, "backend": self.backend_name, "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
+                 "seed": c.seed, "data_start_step": c.data_start_step, "backend": self.backend_name,
+                 "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
                  "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
                  "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
         return {**state, **step_rows(state)}
@@ -449,7 +469,7 @@ class Trainer:
             raise ConfigError(f"{path}: that run finished its planned {state['total_steps']} steps; its warm-up + cosine "
                               f"schedule cannot be stretched to {now['total_steps']}. Continue training from its draft "
                               f"in a new folder: --init-from {os.path.join(self.cfg.out, EXPORT_DIR)} --out NEW_RUN")
-        state = {**state, **step_rows(state)}
+        state = {"data_start_step": 0, **state, **step_rows(state)}     # checkpoints from before the key: 0
         diff = [f"{k}: checkpoint {state.get(k)} vs now {now[k]}" for k in RESUME_KEYS if state.get(k) != now[k]]
         if diff:
             raise ConfigError(f"cannot resume {path} with the same data order and schedule: " + "; ".join(diff))
