@@ -27,6 +27,12 @@ def rank() -> int:
     return dist.get_rank() if is_dist() else 0
 
 
+def log(msg: str) -> None:
+    """Print on rank 0 only."""
+    if rank() == 0:
+        print(msg, flush=True)
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 

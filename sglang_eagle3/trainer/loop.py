@@ -23,7 +23,8 @@ from ..config import ConfigError, Eagle3Config
 from ..draft import Eagle3DraftModel
 from ..ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
 from . import backend as B
-from .data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices, token_rows
+from .data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices
+from .draft_init import check_init_compatible, draft_vocab_ids, init_head_from_target, load_init
 from .logs import PLOT_FILE, MetricsLogger, plot_curves
 from .target_head import load_target_head
 
@@ -93,20 +94,6 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def init_head_from_target(draft: Eagle3DraftModel, lm_head: nn.Module, d2t_ids: torch.Tensor, target_path: str,
-                          target=None) -> None:
-    """Start the draft's output head where the target's is: lm_head = the target's rows for the draft vocabulary,
-    final norm = the target's final norm. The draft then only has to learn to produce the target's last hidden
-    state, not a new output space (measured faster at small budgets; see the draft README's recipe table)."""
-    from .target_head import load_target_final_norm
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(lm_head.weight[d2t_ids.to(lm_head.weight.device)].float())
-        norm = target.norm.weight.detach() if target is not None and hasattr(target, "norm") else \
-            load_target_final_norm(target_path)
-        if norm is not None:
-            draft.norm.weight.copy_(norm.float())
-
-
 class TTTModule(nn.Module):
     """What the backends train: the draft, with the target's frozen lm_head kept out of its parameters."""
 
@@ -120,9 +107,7 @@ class TTTModule(nn.Module):
         return ttt_batch(self.draft, batch, self.lm_head, **self.ttt_kwargs)
 
 
-def _log(msg: str) -> None:
-    if B.rank() == 0:
-        print(msg, flush=True)
+_log = B.log
 
 
 def init_distributed(use_deepspeed: bool, device: torch.device) -> None:
@@ -186,26 +171,6 @@ def clear_run_folder(out: str) -> None:
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
-
-
-def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, d2t_ids: torch.Tensor, path: str,
-                          new_vocab: bool = False) -> None:
-    """--init-from must be a draft of the same shape, layers, variant and vocabulary as the one trained (the
-    vocabulary may differ where a new one was asked for: its output rows are then remapped)."""
-    a, b = init.config.to_dict(), dc.to_dict()
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "target_hidden_size") + (() if new_vocab else ("draft_vocab_size",))
-    diff = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
-    if init.config.aux_layer_ids != dc.aux_layer_ids:
-        diff.append(f"aux layers: {init.config.aux_layer_ids} vs {dc.aux_layer_ids}")
-    for flag in ("fc_norm", "norm_output"):
-        if getattr(init.config, flag) != getattr(dc, flag):
-            diff.append(f"{flag}: {getattr(init.config, flag)} vs {getattr(dc, flag)} (pass --{flag.replace('_', '-')} "
-                        "to match)")
-    if not diff and not new_vocab and not torch.equal(init.draft_to_target(torch.arange(dc.draft_vocab_size)), d2t_ids):
-        diff.append("draft vocabulary (d2t) differs: leave out --draft-vocab to reuse the draft's own")
-    if diff:
-        raise ConfigError(f"--init-from {path} does not match the draft being trained: " + "; ".join(diff))
 
 
 class Trainer:
@@ -281,7 +246,7 @@ class Trainer:
             aux_ids = [tc.num_hidden_layers - 1]
         init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
         new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
-        d2t_ids = self._draft_vocab(tc.vocab_size) if init is None or new_vocab else \
+        d2t_ids = draft_vocab_ids(cfg, self.data, self.train_idx, tc.vocab_size, self.rank) if init is None or new_vocab else \
             init.draft_to_target(torch.arange(init.config.draft_vocab_size))
         if cfg.draft_config:
             path = cfg.draft_config
@@ -294,13 +259,13 @@ class Trainer:
             dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
         dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
         if init is not None:
-            check_init_compatible(init, dc, d2t_ids, cfg.init_from, new_vocab)
+            check_init_compatible(init, dc, cfg.init_from, new_vocab)
         self.draft_config = dc
         torch.manual_seed(cfg.seed)                # identical initial weights on every rank
         draft = Eagle3DraftModel(dc)
         draft.set_vocab_mapping(d2t_ids)
         if init is not None:
-            self._load_init(draft, init, d2t_ids, lm_head, new_vocab)
+            load_init(draft, init, d2t_ids, lm_head, new_vocab)
         if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
             draft.check_target(hf_config, aux_ids)
         if init is None and cfg.head_init == "target":
@@ -310,46 +275,6 @@ class Trainer:
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
                                 step_decay=cfg.step_decay, features=cfg.features,
                                 feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset)
-
-    def _load_init(self, draft: Eagle3DraftModel, init: Eagle3DraftModel, d2t_ids: torch.Tensor, lm_head: nn.Module,
-                   new_vocab: bool) -> None:
-        """--init-from's weights into `draft`; with a new vocabulary its output rows are remapped to it."""
-        state = init.state_dict()
-        if new_vocab:
-            from ..vocab import remap_lm_head
-            old_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
-            head, info = remap_lm_head(state["lm_head.weight"], old_ids, d2t_ids, lm_head.weight.detach().cpu())
-            state = {**state, "lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d}
-            _log(f"init: draft vocabulary {len(old_ids)} -> {len(d2t_ids)} tokens: {info['kept']} rows kept, "
-                 f"{info['new']} new rows from the target's head (affine fit cosine {info['fit_cosine']:.3f}), "
-                 f"{info['dropped']} dropped")
-        draft.load_state_dict(state)
-
-    def _draft_vocab(self, vocab_size: int) -> torch.Tensor:
-        from ..vocab import load_vocab, save_vocab, select_draft_vocab, count_tokens, format_report
-        cfg = self.cfg
-        if cfg.draft_vocab:
-            ids = load_vocab(cfg.draft_vocab)["draft_to_target"].long()
-            if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
-                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has {ids.numel()} ids, --draft-vocab-size "
-                                  f"says {cfg.draft_vocab_size}")
-            if int(ids.max()) >= vocab_size:
-                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has target id {int(ids.max())} >= the target "
-                                  f"vocab {vocab_size}")
-            return ids
-        if not cfg.draft_vocab_size or cfg.draft_vocab_size == vocab_size:
-            return torch.arange(vocab_size)
-        path = os.path.join(cfg.out, "draft_vocab.safetensors")
-        if self.rank == 0 and not (cfg.resume and os.path.isfile(path)):
-            counts = count_tokens(token_rows(self.data, self.train_idx), vocab_size)
-            ids, info = select_draft_vocab(counts, cfg.draft_vocab_size)
-            save_vocab(cfg.out, ids, counts, {**info, "data": os.path.abspath(cfg.data)})
-            _log(format_report({**info, "coverage_table": []}).splitlines()[0])
-        B.barrier()
-        ids = load_vocab(path)["draft_to_target"].long()
-        if ids.numel() != cfg.draft_vocab_size:
-            raise ConfigError(f"{path} has {ids.numel()} ids but --draft-vocab-size is {cfg.draft_vocab_size}")
-        return ids
 
     def _setup_backend(self) -> None:
         cfg = self.cfg

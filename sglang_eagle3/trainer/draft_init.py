@@ -1,0 +1,91 @@
+"""How a training run's draft starts: its draft vocabulary (given, or chosen from the training rows), random
+weights, the target's output head (`--head-init target`), or an earlier draft's weights (`--init-from`), whose
+output rows move to a new vocabulary when one is asked for."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, Eagle3Config
+from ..draft import Eagle3DraftModel
+from . import backend as B
+from .data import token_rows
+
+
+_log = B.log
+
+
+def init_head_from_target(draft: Eagle3DraftModel, lm_head: nn.Module, d2t_ids: torch.Tensor, target_path: str,
+                          target=None) -> None:
+    """Start the draft's output head where the target's is: lm_head = the target's rows for the draft vocabulary,
+    final norm = the target's final norm. The draft then only has to learn to produce the target's last hidden
+    state, not a new output space (measured faster at small budgets; see the draft README's recipe table)."""
+    from .target_head import load_target_final_norm
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(lm_head.weight[d2t_ids.to(lm_head.weight.device)].float())
+        norm = target.norm.weight.detach() if target is not None and hasattr(target, "norm") else \
+            load_target_final_norm(target_path)
+        if norm is not None:
+            draft.norm.weight.copy_(norm.float())
+
+
+def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, path: str, new_vocab: bool = False) -> None:
+    """--init-from must be a draft of the same shape, layers, variant and vocabulary as the one trained (the
+    vocabulary may differ where a new one was asked for: its output rows are then remapped)."""
+    a, b = init.config.to_dict(), dc.to_dict()
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "target_hidden_size") + (() if new_vocab else ("draft_vocab_size",))
+    diff = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
+    if init.config.aux_layer_ids != dc.aux_layer_ids:
+        diff.append(f"aux layers: {init.config.aux_layer_ids} vs {dc.aux_layer_ids}")
+    for flag in ("fc_norm", "norm_output"):
+        if getattr(init.config, flag) != getattr(dc, flag):
+            diff.append(f"{flag}: {getattr(init.config, flag)} vs {getattr(dc, flag)} (pass --{flag.replace('_', '-')} "
+                        "to match)")
+    if diff:
+        raise ConfigError(f"--init-from {path} does not match the draft being trained: " + "; ".join(diff))
+
+
+def draft_vocab_ids(cfg, data, train_idx, vocab_size: int, rank: int) -> torch.Tensor:
+    """-> draft_to_target [D]: --draft-vocab's ids, or the --draft-vocab-size most frequent ids of the training
+    rows (chosen on rank 0, saved in the run folder and reused on resume), or the full vocabulary."""
+    from ..vocab import load_vocab, save_vocab, select_draft_vocab, count_tokens, format_report
+    if cfg.draft_vocab:
+        ids = load_vocab(cfg.draft_vocab)["draft_to_target"].long()
+        if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
+            raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has {ids.numel()} ids, --draft-vocab-size "
+                              f"says {cfg.draft_vocab_size}")
+        if int(ids.max()) >= vocab_size:
+            raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has target id {int(ids.max())} >= the target "
+                              f"vocab {vocab_size}")
+        return ids
+    if not cfg.draft_vocab_size or cfg.draft_vocab_size == vocab_size:
+        return torch.arange(vocab_size)
+    path = os.path.join(cfg.out, "draft_vocab.safetensors")
+    if rank == 0 and not (cfg.resume and os.path.isfile(path)):
+        counts = count_tokens(token_rows(data, train_idx), vocab_size)
+        ids, info = select_draft_vocab(counts, cfg.draft_vocab_size)
+        save_vocab(cfg.out, ids, counts, {**info, "data": os.path.abspath(cfg.data)})
+        _log(format_report({**info, "coverage_table": []}).splitlines()[0])
+    B.barrier()
+    ids = load_vocab(path)["draft_to_target"].long()
+    if ids.numel() != cfg.draft_vocab_size:
+        raise ConfigError(f"{path} has {ids.numel()} ids but --draft-vocab-size is {cfg.draft_vocab_size}")
+    return ids
+
+
+def load_init(draft: Eagle3DraftModel, init: Eagle3DraftModel, d2t_ids: torch.Tensor, lm_head: nn.Module,
+              new_vocab: bool) -> None:
+    """--init-from's weights into `draft`; with a new vocabulary its output rows are remapped to it."""
+    state = init.state_dict()
+    if new_vocab:
+        from ..vocab import remap_lm_head
+        old_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
+        head, info = remap_lm_head(state["lm_head.weight"], old_ids, d2t_ids, lm_head.weight.detach().cpu())
+        state = {**state, "lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d}
+        _log(f"init: draft vocabulary {len(old_ids)} -> {len(d2t_ids)} tokens: {info['kept']} rows kept, "
+             f"{info['new']} new rows from the target's head (affine fit cosine {info['fit_cosine']:.3f}), "
+             f"{info['dropped']} dropped")
+    draft.load_state_dict(state)
