@@ -352,6 +352,27 @@ def test_init_from_with_a_larger_draft_vocab(setup, tmp_path):
     assert Eagle3DraftModel.from_pretrained(str(tmp_path / "b" / "draft")).config.draft_vocab_size == 64
 
 
+def test_remap_vocab_command_cuts_a_draft_to_its_most_frequent_tokens(setup, tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.vocab import save_vocab
+    _, target, _, _ = setup
+    first = Trainer(small_cfg(setup, tmp_path / "a", save_every=0, max_steps=1)).run()
+    src = Eagle3DraftModel.from_pretrained(first["export"], dtype=torch.float32)
+    ids = src.draft_to_target(torch.arange(src.config.draft_vocab_size))
+    keep = torch.sort(ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))[:20]]).values
+    save_vocab(str(tmp_path / "v"), keep, np.zeros(src.config.vocab_size), {})
+    args = ["remap-vocab", "--draft", first["export"], "--draft-vocab", str(tmp_path / "v" / "draft_vocab.safetensors"),
+            "--target", target, "--out", str(tmp_path / "cut")]
+    assert main(args) == 0
+    cut = Eagle3DraftModel.from_pretrained(str(tmp_path / "cut"), dtype=torch.float32)
+    assert torch.equal(cut.draft_to_target(torch.arange(20)), keep) and cut.config.draft_vocab_size == 20
+    rows = torch.tensor([int((ids == t).nonzero()) for t in keep])
+    assert torch.equal(cut.lm_head.weight.data, src.lm_head.weight.data[rows])          # trained rows, by token
+    assert torch.equal(cut.fc.weight.data, src.fc.weight.data)
+    capsys.readouterr()
+    assert main(args) == 2 and "exists" in capsys.readouterr().err                        # never overwritten
+
+
 def test_remap_lm_head_recovers_an_affine_map():
     from sglang_eagle3.vocab import remap_lm_head
     g = torch.Generator().manual_seed(0)

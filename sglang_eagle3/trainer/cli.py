@@ -231,3 +231,17 @@ def add_cli(sub) -> None:
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test; DeepSpeed or DDP)")
     add_train_args(p)
     p.set_defaults(func=run_train)
+    p = sub.add_parser("remap-vocab", help="move a trained draft to another draft vocabulary (no training)",
+                       description="Shared tokens keep their trained output rows; a new token's row is an affine "
+                       "map of the target's row, fitted on the shared tokens. Other weights are copied.")
+    p.add_argument("--draft", required=True, help="trained draft folder")
+    p.add_argument("--draft-vocab", required=True, help="draft_vocab.safetensors (prepare-data or train writes it)")
+    p.add_argument("--target", required=True, help="the draft's target (its output rows seed new tokens)")
+    p.add_argument("--out", required=True, help="new draft folder (must not exist)")
+    p.set_defaults(func=run_remap_vocab)
+
+
+def run_remap_vocab(args) -> int:
+    from .draft_init import remap_vocab
+    print(f"wrote {remap_vocab(args.draft, args.draft_vocab, args.target, args.out)}")
+    return 0

@@ -76,16 +76,44 @@ def draft_vocab_ids(cfg, data, train_idx, vocab_size: int, rank: int) -> torch.T
     return ids
 
 
-def load_init(draft: Eagle3DraftModel, init: Eagle3DraftModel, d2t_ids: torch.Tensor, lm_head: nn.Module,
-              new_vocab: bool) -> None:
+def remapped_state(init: Eagle3DraftModel, new: Eagle3DraftModel, target_head: torch.Tensor) -> dict:
+    """init's weights for `new`, a draft of the same shape whose vocabulary mapping is already set: the output rows
+    move with their tokens (vocab.remap_lm_head; target_head [V, H_t] the target's output rows)."""
+    from ..vocab import remap_lm_head
+    old_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
+    new_ids = new.draft_to_target(torch.arange(new.config.draft_vocab_size))
+    head, info = remap_lm_head(init.state_dict()["lm_head.weight"], old_ids, new_ids, target_head)
+    _log(f"draft vocabulary {len(old_ids)} -> {len(new_ids)} tokens: {info['kept']} rows kept, {info['new']} new rows "
+         f"from the target's head (affine fit cosine {info['fit_cosine']:.3f}), {info['dropped']} dropped")
+    return {**init.state_dict(), "lm_head.weight": head, "d2t": new.d2t, "t2d": new.t2d}
+
+
+def load_init(draft: Eagle3DraftModel, init: Eagle3DraftModel, lm_head: nn.Module, new_vocab: bool) -> None:
     """--init-from's weights into `draft`; with a new vocabulary its output rows are remapped to it."""
-    state = init.state_dict()
-    if new_vocab:
-        from ..vocab import remap_lm_head
-        old_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
-        head, info = remap_lm_head(state["lm_head.weight"], old_ids, d2t_ids, lm_head.weight.detach().cpu())
-        state = {**state, "lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d}
-        _log(f"init: draft vocabulary {len(old_ids)} -> {len(d2t_ids)} tokens: {info['kept']} rows kept, "
-             f"{info['new']} new rows from the target's head (affine fit cosine {info['fit_cosine']:.3f}), "
-             f"{info['dropped']} dropped")
-    draft.load_state_dict(state)
+    draft.load_state_dict(remapped_state(init, draft, lm_head.weight.detach().cpu()) if new_vocab else
+                          init.state_dict())
+
+
+def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:
+    """`eagle3 remap-vocab`: a trained draft moved to another draft vocabulary without training (e.g. cut back to
+    its most frequent tokens: a smaller output head costs less per draft step)."""
+    import copy
+    from ..vocab import load_vocab
+    from .target_head import load_target_head
+    if os.path.exists(out):
+        raise ConfigError(f"--out {out} exists; give a new folder (a draft is never overwritten)")
+    init = Eagle3DraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    ids = load_vocab(vocab_path)["draft_to_target"].long()
+    if int(ids.max()) >= init.config.vocab_size:
+        raise ConfigError(f"--draft-vocab {vocab_path} has target id {int(ids.max())} >= the target vocab "
+                          f"{init.config.vocab_size}")
+    config = copy.deepcopy(init.config)
+    config.draft_vocab_size = len(ids)
+    new = Eagle3DraftModel(config)
+    new.set_vocab_mapping(ids)
+    _, _, lm_head = load_target_head(target, torch.float32, torch.device("cpu"))
+    new.load_state_dict(remapped_state(init, new, lm_head.weight.detach()))
+    stored = Eagle3DraftModel.from_pretrained(draft_dir).fc.weight.dtype     # the folder's own dtype, kept
+    new.save_pretrained(out, dtype=stored)
+    return out
+

@@ -265,7 +265,7 @@ class Trainer:
         draft = Eagle3DraftModel(dc)
         draft.set_vocab_mapping(d2t_ids)
         if init is not None:
-            load_init(draft, init, d2t_ids, lm_head, new_vocab)
+            load_init(draft, init, lm_head, new_vocab)
         if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
             draft.check_target(hf_config, aux_ids)
         if init is None and cfg.head_init == "target":
