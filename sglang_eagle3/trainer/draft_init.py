@@ -102,18 +102,20 @@ def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:
     from .target_head import load_target_head
     if os.path.exists(out):
         raise ConfigError(f"--out {out} exists; give a new folder (a draft is never overwritten)")
-    init = Eagle3DraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    stored = Eagle3DraftModel.from_pretrained(draft_dir)
+    dtype, init = stored.fc.weight.dtype, stored.float()                # the folder's own dtype is kept
     ids = load_vocab(vocab_path)["draft_to_target"].long()
     if int(ids.max()) >= init.config.vocab_size:
         raise ConfigError(f"--draft-vocab {vocab_path} has target id {int(ids.max())} >= the target vocab "
                           f"{init.config.vocab_size}")
+    _, _, lm_head = load_target_head(target, torch.float32, torch.device("cpu"))
+    if lm_head.weight.shape[0] != init.config.vocab_size:
+        raise ConfigError(f"--target {target} has a vocabulary of {lm_head.weight.shape[0]} tokens; the draft "
+                          f"{draft_dir} was trained for {init.config.vocab_size}")
     config = copy.deepcopy(init.config)
     config.draft_vocab_size = len(ids)
     new = Eagle3DraftModel(config)
     new.set_vocab_mapping(ids)
-    _, _, lm_head = load_target_head(target, torch.float32, torch.device("cpu"))
     new.load_state_dict(remapped_state(init, new, lm_head.weight.detach()))
-    stored = Eagle3DraftModel.from_pretrained(draft_dir).fc.weight.dtype     # the folder's own dtype, kept
-    new.save_pretrained(out, dtype=stored)
+    new.save_pretrained(out, dtype=dtype)
     return out
-
