@@ -371,6 +371,10 @@ def test_remap_vocab_command_cuts_a_draft_to_its_most_frequent_tokens(setup, tmp
     assert torch.equal(cut.fc.weight.data, src.fc.weight.data)
     capsys.readouterr()
     assert main(args) == 2 and "exists" in capsys.readouterr().err                        # never overwritten
+    save_vocab(str(tmp_path / "w"), torch.tensor([1, src.config.vocab_size]), np.zeros(src.config.vocab_size + 1), {})
+    bad = args[:4] + [str(tmp_path / "w" / "draft_vocab.safetensors")] + args[5:-1] + [str(tmp_path / "cut2")]
+    assert main(bad) == 2 and f"target id {src.config.vocab_size} >=" in capsys.readouterr().err
+    assert not (tmp_path / "cut2").exists()
 
 
 def test_remap_lm_head_recovers_an_affine_map():
