@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Optional
 
@@ -170,7 +171,8 @@ def train_config(args):
               ("--step-decay", args.step_decay, args.step_decay > 0, "> 0"),
               ("--grad-clip", args.grad_clip, args.grad_clip > 0, "> 0"), ("--epochs", args.epochs, args.epochs > 0, "> 0"),
               ("--eval-rows", args.eval_rows, args.eval_rows >= 0, ">= 0"),
-              ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1, ">= 1")]
+              ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1, ">= 1"),
+              ("--data-start-step", args.data_start_step, args.data_start_step >= 0, ">= 0")]
     for flag, value, ok, rule in checks:
         if not ok:
             raise UserError(f"{flag} must be {rule}, got {value}")
@@ -215,13 +217,20 @@ def run_train(args) -> int:
     if args.check_only:
         print(f"train: inputs ok ({cfg.data} -> {cfg.out})")
         return 0
-    try:
+    with value_errors_as_user_errors():
         Trainer(cfg).run()
-    except ValueError as e:                 # bad shapes / sizes found during setup: one line, no traceback
+    return 0
+
+
+@contextlib.contextmanager
+def value_errors_as_user_errors():
+    """Bad shapes / sizes found while setting up (a ValueError naming the input): one line, no traceback."""
+    try:
+        yield
+    except ValueError as e:
         if isinstance(e, UserError):
             raise
         raise UserError(str(e)) from None
-    return 0
 
 
 def add_cli(sub) -> None:
@@ -243,5 +252,6 @@ def add_cli(sub) -> None:
 
 def run_remap_vocab(args) -> int:
     from .draft_init import remap_vocab
-    print(f"wrote {remap_vocab(args.draft, args.draft_vocab, args.target, args.out)}")
+    with value_errors_as_user_errors():
+        print(f"wrote {remap_vocab(args.draft, args.draft_vocab, args.target, args.out)}")
     return 0

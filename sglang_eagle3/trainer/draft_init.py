@@ -48,18 +48,24 @@ def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, path: str, n
         raise ConfigError(f"--init-from {path} does not match the draft being trained: " + "; ".join(diff))
 
 
+def read_draft_vocab(path: str, vocab_size: int) -> torch.Tensor:
+    """--draft-vocab FILE -> draft_to_target [D]; every id must be a token of the target's vocabulary."""
+    from ..vocab import load_vocab
+    ids = load_vocab(path)["draft_to_target"].long()
+    if int(ids.max()) >= vocab_size:
+        raise ConfigError(f"--draft-vocab {path} has target id {int(ids.max())} >= the target vocab {vocab_size}")
+    return ids
+
+
 def draft_vocab_ids(cfg, data, train_idx, vocab_size: int, rank: int) -> torch.Tensor:
     """-> draft_to_target [D]: --draft-vocab's ids, or the --draft-vocab-size most frequent ids of the training
     rows (chosen on rank 0, saved in the run folder and reused on resume), or the full vocabulary."""
     from ..vocab import load_vocab, save_vocab, select_draft_vocab, count_tokens, format_report
     if cfg.draft_vocab:
-        ids = load_vocab(cfg.draft_vocab)["draft_to_target"].long()
+        ids = read_draft_vocab(cfg.draft_vocab, vocab_size)
         if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
             raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has {ids.numel()} ids, --draft-vocab-size "
                               f"says {cfg.draft_vocab_size}")
-        if int(ids.max()) >= vocab_size:
-            raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has target id {int(ids.max())} >= the target "
-                              f"vocab {vocab_size}")
         return ids
     if not cfg.draft_vocab_size or cfg.draft_vocab_size == vocab_size:
         return torch.arange(vocab_size)
@@ -98,16 +104,12 @@ def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:
     """`eagle3 remap-vocab`: a trained draft moved to another draft vocabulary without training (e.g. cut back to
     its most frequent tokens: a smaller output head costs less per draft step)."""
     import copy
-    from ..vocab import load_vocab
     from .target_head import load_target_head
     if os.path.exists(out):
         raise ConfigError(f"--out {out} exists; give a new folder (a draft is never overwritten)")
     stored = Eagle3DraftModel.from_pretrained(draft_dir)
     dtype, init = stored.fc.weight.dtype, stored.float()                # the folder's own dtype is kept
-    ids = load_vocab(vocab_path)["draft_to_target"].long()
-    if int(ids.max()) >= init.config.vocab_size:
-        raise ConfigError(f"--draft-vocab {vocab_path} has target id {int(ids.max())} >= the target vocab "
-                          f"{init.config.vocab_size}")
+    ids = read_draft_vocab(vocab_path, init.config.vocab_size)
     _, _, lm_head = load_target_head(target, torch.float32, torch.device("cpu"))
     if lm_head.weight.shape[0] != init.config.vocab_size:
         raise ConfigError(f"--target {target} has a vocabulary of {lm_head.weight.shape[0]} tokens; the draft "
@@ -116,6 +118,10 @@ def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:
     config.draft_vocab_size = len(ids)
     new = Eagle3DraftModel(config)
     new.set_vocab_mapping(ids)
-    new.load_state_dict(remapped_state(init, new, lm_head.weight.detach()))
+    try:
+        state = remapped_state(init, new, lm_head.weight.detach())
+    except ValueError as e:
+        raise ConfigError(f"--draft-vocab {vocab_path}: {e}") from None
+    new.load_state_dict(state)
     new.save_pretrained(out, dtype=dtype)
     return out

@@ -246,8 +246,10 @@ class Trainer:
             aux_ids = [tc.num_hidden_layers - 1]
         init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
         new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
-        d2t_ids = draft_vocab_ids(cfg, self.data, self.train_idx, tc.vocab_size, self.rank) if init is None or new_vocab else \
-            init.draft_to_target(torch.arange(init.config.draft_vocab_size))
+        if init is None or new_vocab:
+            d2t_ids = draft_vocab_ids(cfg, self.data, self.train_idx, tc.vocab_size, self.rank)
+        else:
+            d2t_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
         if cfg.draft_config:
             path = cfg.draft_config
             if os.path.isdir(path):
