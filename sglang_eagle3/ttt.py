@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 FEATURES = ("fused", "top")
 
 
@@ -125,29 +127,56 @@ def metrics_from_counters(c: torch.Tensor) -> dict:
 
 class SoftCrossEntropy(torch.autograd.Function):
     """Per-position soft cross-entropy -sum_v p_v log_softmax(z)_v = logsumexp(z) - <p, z> (p sums to 1),
-    with the gradient softmax(z) - p written in one pass: far less memory traffic over [n, vocab] than
-    log_softmax + multiply + sum and their autograd backward. z [n, V] any float dtype; p [n, V] fp32."""
+    with the gradient softmax(z) - p written in one pass: far less memory traffic over [S, vocab] than
+    log_softmax + multiply + sum and their autograd backward. z [S, V] any float dtype; p [N, V] fp32 read
+    through rows [S] (position i is scored against p[rows[i]]).
+
+    bf16 z on CPU (autocast training) runs csrc's kernel: it reads p's rows in place instead of gathering an
+    [S, V] copy, and fuses the max, exp, dot and gradient passes (the PyTorch ops below took ~30% of a
+    packed TTT step); fp32 and fp64 z keep these ops, so reference comparisons stay exact."""
 
     @staticmethod
-    def forward(ctx, z, p):
+    def forward(ctx, z, p, rows):
+        ext = _soft_ce_extension(z, p, rows)
+        ctx.use_ext = ext is not None
+        if ext is not None:
+            loss, lse = ext.soft_ce_forward(z, p, rows)
+            ctx.save_for_backward(z, p, rows, lse)
+            return loss
+        pr = p[rows]                                                      # [S, V]
         zf = z.to(_wide(z.dtype))
-        lse = torch.logsumexp(zf, -1)                                     # [n]
-        loss = lse - (p * zf).sum(-1)      # not a matmul: autocast would run it as a slow bf16 bmm
-        ctx.save_for_backward(z, p)
+        lse = torch.logsumexp(zf, -1)                                     # [S]
+        loss = lse - (pr * zf).sum(-1)     # not a matmul: autocast would run it as a slow bf16 bmm
+        ctx.save_for_backward(z, pr)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        z, p = ctx.saved_tensors
+        if ctx.use_ext:
+            z, p, rows, lse = ctx.saved_tensors
+            return kernels.extension().soft_ce_backward(z, p, rows, lse, grad_loss.float().contiguous()), None, None
+        z, pr = ctx.saved_tensors
         grad = torch.softmax(z, -1, dtype=_wide(z.dtype))                 # one fused pass (1.6x exp(z - lse))
-        grad.sub_(p).mul_(grad_loss.unsqueeze(-1))
-        return grad.to(z.dtype), None
+        grad.sub_(pr).mul_(grad_loss.unsqueeze(-1))
+        return grad.to(z.dtype), None, None
 
 
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """logits [..., V], p [..., V] -> [...]."""
-    shape = logits.shape[:-1]
-    return SoftCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), p.reshape(-1, p.shape[-1])).view(shape)
+def _soft_ce_extension(z: torch.Tensor, p: torch.Tensor, rows: torch.Tensor):
+    """csrc's soft cross-entropy where it applies (bf16 logits on CPU, kernels not switched off), else None."""
+    if z.dtype != torch.bfloat16 or z.device.type != "cpu" or p.dtype != torch.float32:
+        return None
+    if not (z.is_contiguous() and p.is_contiguous() and rows.is_contiguous()):
+        return None
+    return kernels.extension()
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [S, V]; p [S, V], or p [N, V] with rows [S] (position i against p[rows[i]]) -> [S]."""
+    if rows is None:
+        if p.shape != logits.shape:
+            raise ValueError(f"soft_cross_entropy: p {tuple(p.shape)} must match logits {tuple(logits.shape)}")
+        rows = torch.arange(logits.shape[0], device=logits.device)
+    return SoftCrossEntropy.apply(logits, p, rows.long())
 
 
 @torch.no_grad()
@@ -236,11 +265,11 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             in_row = row_of_base == row_id[:, k + 1:]
             sel, v = sel & in_row, v & in_row
         logits = draft.compute_logits(h[sel])                              # [S, Vd]
-        p = p_needed[row_of[:, k + 1:][sel]]                               # [S, Vd]
+        p_rows = row_of[:, k + 1:][sel]                                    # [S] rows of p_needed
         if fused_ce:
-            ce = soft_cross_entropy(logits, p)                             # [S]
+            ce = soft_cross_entropy(logits, p_needed, p_rows)              # [S]
         else:
-            ce = -(p * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
+            ce = -(p_needed[p_rows] * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
         m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[sel].float()     # [S] positions this step's loss scores
         loss_k = _mean_loss(ce * m, m, None if row_of_base is None else row_of_base[sel], num_rows)

@@ -256,3 +256,64 @@ def test_packed_rows_equal_the_rows_one_by_one(offset, fw, eagle31):
                                    msg=lambda m: f"{name}: {m}")
     with pytest.raises(ValueError, match="row_lengths"):
         run({k: torch.cat([r[k] for r in rows]) for k in rows[0]}, [T, T])      # does not sum to the length
+
+
+@pytest.mark.parametrize("V_", [8192, 37])                       # 37: the kernel's non-vector tail
+def test_soft_cross_entropy_kernel_equals_the_pytorch_ops(V_):
+    """bf16 logits on CPU take csrc's fused kernel (p read through row indices); it gives the PyTorch ops' loss
+    and gradient (fp32 arithmetic in both; the gradient within one bf16 rounding)."""
+    from sglang_eagle3 import kernels
+    from sglang_eagle3.ttt import _soft_ce_extension, soft_cross_entropy
+    if kernels.extension() is None:
+        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    g = torch.Generator().manual_seed(0)
+    S, N = 70, 90
+    z0 = (torch.randn(S, V_, generator=g) * 4).bfloat16()
+    p = (torch.randn(N, V_, generator=g) * 3).softmax(-1)
+    rows = torch.randint(0, N, (S,), generator=g)
+    w = torch.rand(S, generator=g)
+    assert _soft_ce_extension(z0, p, rows) is not None
+    out = {}
+    for mode in ("auto", "off"):
+        z = z0.clone().requires_grad_()
+        with kernels.using(mode):
+            loss = soft_cross_entropy(z, p, rows)
+            (loss * w).sum().backward()
+        out[mode] = loss.detach(), z.grad
+    (la, ga), (lb, gb) = out["auto"], out["off"]
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ga.float(), gb.float(), rtol=2 ** -7, atol=1e-6)   # one bf16 ulp
+    plain = -(p[rows] * z0.float().log_softmax(-1)).sum(-1)                      # the textbook formula
+    torch.testing.assert_close(la, plain, rtol=1e-5, atol=1e-5)
+    empty = soft_cross_entropy(z0[:0].clone().requires_grad_(), p, rows[:0])     # a step that scores nothing
+    assert empty.shape == (0,)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        soft_cross_entropy(z0, p, rows + N)
+    with pytest.raises(ValueError, match="must match logits"):
+        soft_cross_entropy(z0, p)
+
+
+def test_bf16_ttt_with_the_kernel_equals_it_without():
+    """A packed bf16 TTT step (autocast, what training runs) with the soft cross-entropy kernel and with the
+    PyTorch ops: the same loss, counters and gradients up to bf16 rounding."""
+    from sglang_eagle3 import kernels
+    if kernels.extension() is None:
+        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    draft, lm_head, d = make_setup()
+    draft.float(), lm_head.float()
+    lengths = [T, T - 2]
+    ids = torch.cat([d["input_ids"][0], d["input_ids"][1, :T - 2]])[None]
+    mask = torch.cat([d["loss_mask"][0], d["loss_mask"][1, :T - 2]])[None]
+    aux = torch.cat([d["aux"][0], d["aux"][1, :T - 2]])[None].float()
+    last = torch.cat([d["last"][0], d["last"][1, :T - 2]])[None].float()
+    res = {}
+    for mode in ("auto", "off"):
+        with kernels.using(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+            o = ttt_forward(draft, ids, mask, aux, last, None, lm_head, ttt_length=K, row_lengths=lengths)
+        res[mode] = o, grads(draft, o.loss)
+    (a, ga), (b, gb) = res["auto"], res["off"]
+    torch.testing.assert_close(a.loss.detach(), b.loss.detach(), rtol=1e-4, atol=1e-5)
+    assert torch.equal(a.counters(), b.counters())
+    for name in ga:
+        scale = gb[name].abs().max().item()
+        torch.testing.assert_close(ga[name], gb[name], rtol=2e-2, atol=2e-2 * scale, msg=lambda m: f"{name}: {m}")

@@ -5,7 +5,8 @@ so only the trainer's own work is timed: the TTT forward and backward over `ttt_
 step. Reported: tokens/s per precision (median over alternated rounds), model FLOP/s against the matmul peak
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
 configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss), and
-of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default).
+of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
+configuration runs twice, with the soft cross-entropy in csrc's kernel (the default) and in PyTorch ops.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def build_parser():
 
 
 def run(argv=None) -> int:
+    from .. import kernels
     from ..cli import UserError
     from ..config import Eagle3Config
     from ..draft import Eagle3DraftModel
@@ -99,12 +101,18 @@ def run(argv=None) -> int:
     tokens = sum(f[0].shape[1] for f in feats)
     flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0) for f in feats)
     packed_name = f"bf16 autocast, {a.pack} rows packed per forward"
-    configs = {"fp32 (before)": (False, False, False, 1), "fp32": (False, True, False, 1),
-               "bf16 autocast (after)": (True, True, False, 1),
-               "bf16 autocast, online (target features each step)": (True, True, True, 1),
-               packed_name: (True, True, False, a.pack)}
+    # (autocast, fused loss, online, rows per forward, csrc's soft cross-entropy kernel for bf16 logits)
+    configs = {"fp32 (before)": (False, False, False, 1, True), "fp32": (False, True, False, 1, True),
+               "bf16 autocast (after)": (True, True, False, 1, True),
+               "bf16 autocast, online (target features each step)": (True, True, True, 1, True),
+               f"{packed_name}, soft CE in PyTorch ops": (True, True, False, a.pack, False),
+               packed_name: (True, True, False, a.pack, True)}
 
-    def one_round(autocast: bool, fused: bool, online: bool, pack: int) -> float:
+    def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool) -> float:
+        with kernels.using("auto" if kernel else "off"):
+            return _round(autocast, fused, online, pack)
+
+    def _round(autocast: bool, fused: bool, online: bool, pack: int) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(feats), pack):
             group = feats[i:i + pack]

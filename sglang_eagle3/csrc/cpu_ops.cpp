@@ -1,5 +1,6 @@
 // CPU kernels for the decode step: attention over a row-indexed KV pool with a tree mask, and the
-// small fused element-wise ops around the matmuls (RMSNorm, residual add + RMSNorm, SiLU * up).
+// small fused element-wise ops around the matmuls (RMSNorm, residual add + RMSNorm, SiLU * up); and one for
+// training: the soft cross-entropy of TTT's per-step loss (forward and gradient).
 //
 // Built at install time (or on first use) by sglang_eagle3/kernels.py with torch.utils.cpp_extension.
 // Every op has a plain-PyTorch twin in kernels.py; tests check that both agree.
@@ -688,6 +689,121 @@ std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>
   return out;
 }
 
+// ---- training: soft cross-entropy over the draft vocabulary (TTT's per-step loss) --------------------------
+//
+// loss[i] = logsumexp(z[i]) - <p[rows[i]], z[i]>    (p rows are softmaxes: they sum to 1)
+// grad_z[i] = (softmax(z[i]) - p[rows[i]]) * grad[i], rounded to z's dtype
+// z [S, V] logits (float or bf16), p [N, V] fp32 target distributions read through rows [S] (no gathered copy),
+// fp32 arithmetic. One row of z (V = 8192 bf16: 16 KB) stays in L1/L2 between the max pass and the exp pass.
+namespace {
+template <typename E>
+float row_max(const E* z, int64_t V) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef E3_AVX512
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, load16(z + j));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; j < V; ++j) mx = std::max(mx, to_f(z[j]));
+  return mx;
+}
+
+template <typename E>
+void soft_ce_forward_impl(const E* z, const float* p, const int64_t* rows, int64_t S, int64_t V, float* loss,
+                          float* lse) {
+  at::parallel_for(0, S, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const E* zi = z + i * V;
+      const float* pi = p + rows[i] * V;
+      const float mx = row_max(zi, V);
+      float sum = 0.f, dot = 0.f;
+      int64_t j = 0;
+#ifdef E3_AVX512
+      __m512 vs = _mm512_setzero_ps(), vd = _mm512_setzero_ps();
+      const __m512 vm = _mm512_set1_ps(mx);
+      for (; j + 16 <= V; j += 16) {
+        const __m512 v = load16(zi + j);
+        vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(v, vm)));
+        vd = _mm512_fmadd_ps(_mm512_loadu_ps(pi + j), v, vd);
+      }
+      sum = _mm512_reduce_add_ps(vs);
+      dot = _mm512_reduce_add_ps(vd);
+#endif
+      for (; j < V; ++j) {
+        const float v = to_f(zi[j]);
+        sum += std::exp(v - mx);
+        dot += pi[j] * v;
+      }
+      lse[i] = mx + std::log(sum);
+      loss[i] = lse[i] - dot;
+    }
+  });
+}
+
+template <typename E>
+void soft_ce_backward_impl(const E* z, const float* p, const int64_t* rows, const float* lse, const float* grad,
+                           int64_t S, int64_t V, E* out) {
+  at::parallel_for(0, S, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const E* zi = z + i * V;
+      const float* pi = p + rows[i] * V;
+      E* oi = out + i * V;
+      const float g = grad[i], l = lse[i];
+      int64_t j = 0;
+#ifdef E3_AVX512
+      const __m512 vg = _mm512_set1_ps(g), vl = _mm512_set1_ps(l);
+      for (; j + 16 <= V; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(load16(zi + j), vl));
+        store16(oi + j, _mm512_mul_ps(_mm512_sub_ps(e, _mm512_loadu_ps(pi + j)), vg));
+      }
+#endif
+      for (; j < V; ++j) oi[j] = from_f<E>((std::exp(to_f(zi[j]) - l) - pi[j]) * g);
+    }
+  });
+}
+
+void check_soft_ce(const at::Tensor& z, const at::Tensor& p, const at::Tensor& rows) {
+  TORCH_CHECK(z.dim() == 2 && p.dim() == 2 && z.size(1) == p.size(1) && z.is_contiguous() && p.is_contiguous() &&
+                  p.scalar_type() == at::kFloat,
+              "soft_ce: contiguous z [S, V] and fp32 p [N, V]");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == z.size(0) && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "soft_ce: rows [S] int64");
+  if (rows.numel() > 0) {
+    const int64_t lo = rows.min().item<int64_t>(), hi = rows.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < p.size(0), "soft_ce: rows out of range of p");
+  }
+}
+}  // namespace
+
+// -> (loss [S], lse [S]) fp32
+std::vector<at::Tensor> soft_ce_forward(const at::Tensor& z, const at::Tensor& p, const at::Tensor& rows) {
+  check_soft_ce(z, p, rows);
+  const int64_t S = z.size(0), V = z.size(1);
+  at::Tensor loss = at::empty({S}, z.options().dtype(at::kFloat)), lse = at::empty_like(loss);
+  E3_DISPATCH(z.scalar_type(), "soft_ce_forward", [&] {
+    soft_ce_forward_impl<scalar_t>(z.data_ptr<scalar_t>(), p.data_ptr<float>(), rows.data_ptr<int64_t>(), S, V,
+                                   loss.data_ptr<float>(), lse.data_ptr<float>());
+  });
+  return {loss, lse};
+}
+
+// -> grad_z [S, V] in z's dtype
+at::Tensor soft_ce_backward(const at::Tensor& z, const at::Tensor& p, const at::Tensor& rows, const at::Tensor& lse,
+                            const at::Tensor& grad) {
+  check_soft_ce(z, p, rows);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  grad.is_contiguous() && lse.numel() == z.size(0) && grad.numel() == z.size(0),
+              "soft_ce_backward: fp32 lse [S] and grad [S]");
+  at::Tensor out = at::empty_like(z);
+  E3_DISPATCH(z.scalar_type(), "soft_ce_backward", [&] {
+    soft_ce_backward_impl<scalar_t>(z.data_ptr<scalar_t>(), p.data_ptr<float>(), rows.data_ptr<int64_t>(),
+                                    lse.data_ptr<float>(), grad.data_ptr<float>(), z.size(0), z.size(1),
+                                    out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 bool has_bf16_dot() {
 #ifdef E3_BF16DOT
   return true;
@@ -706,4 +822,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (transformers' rounding)");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("soft_ce_forward", &soft_ce_forward, "soft cross-entropy over rows of p (-> loss, logsumexp)");
+  m.def("soft_ce_backward", &soft_ce_backward, "(softmax(z) - p[rows]) * grad");
 }
