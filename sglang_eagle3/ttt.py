@@ -183,7 +183,11 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, rows: Optional[tor
 def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
     """last_hidden [..., Ht] (post final norm) -> (p [..., Vd] softmax over the draft vocab, top [...] target ids)."""
     w = lm_head.weight
-    logits = lm_head(last_hidden.to(w.dtype))                    # [B, T, V] (bf16 under autocast)
+    logits = lm_head(last_hidden.to(w.dtype))                    # [..., V] (bf16 under autocast)
+    ext = kernels.extension() if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" else None
+    if ext is not None:                                          # csrc: one pass per row, no gathered copy
+        p, top = ext.target_distribution(logits.reshape(-1, logits.shape[-1]).contiguous(), draft_ids.contiguous())
+        return p.view(*logits.shape[:-1], -1), top.view(logits.shape[:-1])
     top = _argmax(logits)                                        # a cast to fp32 is exact: same argmax
     return logits[..., draft_ids].to(_wide(logits.dtype)).softmax(-1), top
 

@@ -317,3 +317,31 @@ def test_bf16_ttt_with_the_kernel_equals_it_without():
     for name in ga:
         scale = gb[name].abs().max().item()
         torch.testing.assert_close(ga[name], gb[name], rtol=2e-2, atol=2e-2 * scale, msg=lambda m: f"{name}: {m}")
+
+
+def test_target_distribution_kernel_equals_the_pytorch_ops():
+    """bf16 target logits on CPU: csrc's one-pass kernel gives the same argmax over the whole vocabulary (the
+    first maximum on ties, as torch) and the same softmax at the draft's ids."""
+    from sglang_eagle3 import kernels
+    if kernels.extension() is None:
+        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    g = torch.Generator().manual_seed(0)
+    lm_head = nn.Linear(H, 1000, bias=False).bfloat16()
+    nn.init.normal_(lm_head.weight, 0, 1.0, generator=g)
+    hidden = torch.randn(2, 7, H, generator=g).bfloat16()                 # [B, T, H]
+    ids = torch.randperm(1000, generator=g)[:301]
+    res = {}
+    for mode in ("auto", "off"):
+        with kernels.using(mode):
+            res[mode] = target_distribution(hidden, lm_head, ids)
+    (pa, ta), (pb, tb) = res["auto"], res["off"]
+    assert pa.shape == (2, 7, 301) and ta.shape == (2, 7) and torch.equal(ta, tb)
+    torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-7)
+    ties = torch.zeros(3, 50, dtype=torch.bfloat16)
+    ties[0, [3, 20, 40]] = 5
+    ties[1, [17, 33]] = 2
+    ties[2, [48, 49]] = 1                                                  # in the non-vector tail
+    _, top = kernels.extension().target_distribution(ties, torch.arange(10))
+    assert top.tolist() == [3, 17, 48] == ties.max(-1).indices.tolist()
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.extension().target_distribution(ties, torch.tensor([0, 50]))

@@ -804,6 +804,70 @@ at::Tensor soft_ce_backward(const at::Tensor& z, const at::Tensor& p, const at::
   return out;
 }
 
+// Target side of the same loss, once per row: the target's full-vocabulary logits [N, V] -> its argmax over all
+// V (first maximum, as torch) and p [N, Vd] = softmax of the logits at the draft's target ids (fp32), without the
+// gathered [N, Vd] copy, its fp32 cast and a separate softmax pass over memory.
+namespace {
+template <typename E>
+void target_distribution_impl(const E* logits, const int64_t* draft_ids, int64_t N, int64_t V, int64_t Vd, float* p,
+                              int64_t* top) {
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const E* zi = logits + i * V;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = 0, j = 0;
+#ifdef E3_AVX512
+      // per lane: the first maximum of its column; then the lowest index among the lanes holding the maximum
+      __m512 vbest = _mm512_set1_ps(best);
+      __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      for (; j + 16 <= V; j += 16) {
+        const __m512 v = load16(zi + j);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+        vbest = _mm512_mask_mov_ps(vbest, gt, v);
+        vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+        cur = _mm512_add_epi32(cur, step);
+      }
+      if (j > 0) {
+        best = _mm512_reduce_max_ps(vbest);
+        const __mmask16 at_best = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        arg = _mm512_mask_reduce_min_epi32(at_best, vidx);
+      }
+#endif
+      for (; j < V; ++j) {
+        const float v = to_f(zi[j]);
+        if (v > best) { best = v; arg = j; }
+      }
+      top[i] = arg;
+      float* pi = p + i * Vd;
+      for (int64_t k = 0; k < Vd; ++k) pi[k] = to_f(zi[draft_ids[k]]);
+      const float sum = softmax_unnormalised(pi, Vd);
+      const float inv = 1.f / sum;
+      for (int64_t k = 0; k < Vd; ++k) pi[k] *= inv;
+    }
+  });
+}
+}  // namespace
+
+// logits [N, V] (float or bf16), draft_ids [Vd] int64 -> (p [N, Vd] fp32, top [N] int64)
+std::vector<at::Tensor> target_distribution(const at::Tensor& logits, const at::Tensor& draft_ids) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "target_distribution: contiguous logits [N, V]");
+  TORCH_CHECK(draft_ids.dim() == 1 && draft_ids.scalar_type() == at::kLong && draft_ids.is_contiguous(),
+              "target_distribution: draft_ids [Vd] int64");
+  const int64_t N = logits.size(0), V = logits.size(1), Vd = draft_ids.size(0);
+  if (Vd > 0) {
+    TORCH_CHECK(draft_ids.min().item<int64_t>() >= 0 && draft_ids.max().item<int64_t>() < V,
+                "target_distribution: draft_ids out of range of the logits");
+  }
+  at::Tensor p = at::empty({N, Vd}, logits.options().dtype(at::kFloat));
+  at::Tensor top = at::empty({N}, logits.options().dtype(at::kLong));
+  E3_DISPATCH(logits.scalar_type(), "target_distribution", [&] {
+    target_distribution_impl<scalar_t>(logits.data_ptr<scalar_t>(), draft_ids.data_ptr<int64_t>(), N, V, Vd,
+                                       p.data_ptr<float>(), top.data_ptr<int64_t>());
+  });
+  return {p, top};
+}
+
 bool has_bf16_dot() {
 #ifdef E3_BF16DOT
   return true;
@@ -824,4 +888,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("soft_ce_forward", &soft_ce_forward, "soft cross-entropy over rows of p (-> loss, logsumexp)");
   m.def("soft_ce_backward", &soft_ce_backward, "(softmax(z) - p[rows]) * grad");
+  m.def("target_distribution", &target_distribution, "argmax over V and softmax at the draft's ids (fp32)");
 }
