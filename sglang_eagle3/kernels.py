@@ -6,7 +6,8 @@
   `F.linear` (bench_decode measures both); results are bit-identical in bf16.
 - `csrc/cpu_ops.cpp` (a torch C++ extension, compiled once into the cache): tree attention straight over
   the row-indexed KV pool (no gather, no slicing copies, each row attends over its own length), RMSNorm,
-  residual add + RMSNorm, SiLU * up.
+  residual add + RMSNorm, SiLU * up; and for training, TTT's soft cross-entropy and the target's
+  distribution over the draft vocabulary (one pass per row; dispatched from ttt.py, twins there).
 
 `set_mode("off")` (or EAGLE3_KERNELS=off) uses the PyTorch twins everywhere: the eager reference.
 If the extension cannot be built (no compiler), the twins are used and `status()` says why.

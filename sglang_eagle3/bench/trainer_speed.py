@@ -6,7 +6,7 @@ step. Reported: tokens/s per precision (median over alternated rounds), model FL
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
 configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss), and
 of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
-configuration runs twice, with the soft cross-entropy in csrc's kernel (the default) and in PyTorch ops.
+configuration runs twice, with the loss in csrc's kernels (the default) and in PyTorch ops.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def run(argv=None) -> int:
     configs = {"fp32 (before)": (False, False, False, 1, True), "fp32": (False, True, False, 1, True),
                "bf16 autocast (after)": (True, True, False, 1, True),
                "bf16 autocast, online (target features each step)": (True, True, True, 1, True),
-               f"{packed_name}, soft CE in PyTorch ops": (True, True, False, a.pack, False),
+               f"{packed_name}, loss in PyTorch ops (no csrc kernels)": (True, True, False, a.pack, False),
                packed_name: (True, True, False, a.pack, True)}
 
     def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool) -> float:
