@@ -1,6 +1,6 @@
 // CPU kernels for the decode step: attention over a row-indexed KV pool with a tree mask, and the
-// small fused element-wise ops around the matmuls (RMSNorm, residual add + RMSNorm, SiLU * up); and one for
-// training: the soft cross-entropy of TTT's per-step loss (forward and gradient).
+// small fused element-wise ops around the matmuls (RMSNorm, residual add + RMSNorm, SiLU * up); and two for
+// training: the soft cross-entropy of TTT's per-step loss (forward and gradient) and the target's distribution.
 //
 // Built at install time (or on first use) by sglang_eagle3/kernels.py with torch.utils.cpp_extension.
 // Every op has a plain-PyTorch twin in kernels.py; tests check that both agree.
