@@ -51,6 +51,17 @@ class TTTAttention:
         T = key_valid.shape[1]
         ends = torch.tensor(row_lengths or [T]).cumsum(0).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))     # [start, end) of each packed row
+        self._blocked: dict[int, torch.Tensor] = {}    # row start -> ~causal_allowed, built once per row
+
+    def blocked(self, start: int, end: int) -> torch.Tensor:
+        """~causal_allowed(start, end), built at step 0; later steps read its top-left corner (their queries
+        and keys end earlier, and a prefix of a row's mask is the mask of the prefix)."""
+        full = self._blocked.get(start)
+        if full is None or full.shape[-1] < end - start:
+            full = ~self.causal_allowed(start, end)
+            self._blocked[start] = full
+        L = end - start
+        return full[..., :L, :L]
 
     def causal_allowed(self, start: int, end: int) -> torch.Tensor:
         """[B, 1, 1, L, L] bool over positions start..end-1: key s <= query t and s is a real token (a query
@@ -75,7 +86,7 @@ class TTTAttention:
         q = q.reshape(B, nKV, nH // nKV, L, D) * D ** -0.5                 # [B, nKV, g, L, D]
         k0, v0 = self.keys[0][:, :, start:end], self.values[0][:, :, start:end]   # [B, nKV, L, D]
         scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, L, L]
-        scores = scores.masked_fill(~self.causal_allowed(start, end), float("-inf"))
+        scores = scores.masked_fill(self.blocked(start, end), float("-inf"))
         if len(self.keys) > 1:
             kd = torch.stack([kj[:, :, start:end] for kj in self.keys[1:]], dim=2)   # [B, nKV, k, L, D]
             vd = torch.stack([vj[:, :, start:end] for vj in self.values[1:]], dim=2)
