@@ -101,7 +101,7 @@ def run(argv=None) -> int:
     tokens = sum(f[0].shape[1] for f in feats)
     flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0) for f in feats)
     packed_name = f"bf16 autocast, {a.pack} rows packed per forward"
-    # (autocast, fused loss, online, rows per forward, csrc's soft cross-entropy kernel for bf16 logits)
+    # (autocast, fused loss, online, rows per forward, csrc's loss kernels for bf16 logits: soft CE, target side)
     configs = {"fp32 (before)": (False, False, False, 1, True), "fp32": (False, True, False, 1, True),
                "bf16 autocast (after)": (True, True, False, 1, True),
                "bf16 autocast, online (target features each step)": (True, True, True, 1, True),
