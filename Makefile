@@ -55,9 +55,9 @@ GSM8K_ROWS ?= 2500
 SHAREGPT1K_ROWS ?= 1000
 SHAREGPT_PROMPT_CHARS ?= 6000
 REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-tokens 512 --batch-size 32 --write-every 384
-# SAMPLED_ROWS: the first ShareGPT prompts answered once more, sampled at SAMPLED_T (seeded): more distinct
+# SAMPLED_ROWS: the first ShareGPT prompts (3808: all of them) answered once more, sampled at SAMPLED_T (seeded): more distinct
 # contexts drawn from the target's own distribution (0: none)
-SAMPLED_ROWS ?= 1500
+SAMPLED_ROWS ?= 3808
 SAMPLED_T ?= 0.7
 SAMPLED_OUT = $(if $(filter-out 0,$(SAMPLED_ROWS)),$(RUN)/regen_sharegpt_t$(SAMPLED_T).jsonl)
 REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl \

@@ -15,7 +15,9 @@ Attention of step k at base position t: the step-0 keys at positions <= t (causa
 plus the keys of steps 1..k at position t only (the chain's own earlier steps). The second part is a
 "diagonal": it is scored with one einsum against the stacked per-step keys, concatenated to the
 causal scores and normalised with a single softmax, so memory is O(T*T + T*steps) per step instead
-of O(T*T*steps) for an explicit [T*steps, T*steps] mask.
+of O(T*T*steps) for an explicit [T*steps, T*steps] mask. Step 0 runs every position (its keys are the
+context of every later query); steps k >= 1 run only the chains some step >= k still scores, so a chain that
+would end inside a prompt costs one step, not seven (a third fewer draft-layer positions on real chat rows).
 
 Step loss: soft cross-entropy against the target's softmax restricted to the draft vocabulary
 (target logits gathered at the draft's target ids, then softmax), over positions whose loss_mask
@@ -38,20 +40,27 @@ FEATURES = ("fused", "top")
 class TTTAttention:
     """attend(q, k, v) for TTT: call once per step, in order (step 0 first).
 
-    Step k receives q/k/v for the first T_k base positions (T_k shrinks with k: the tail has no data
-    token left). key_valid [B, T] bool: real (non-padding) keys of step 0. row_lengths (B == 1 only):
+    Step 0 receives q/k/v for every base position. Step k >= 1 receives them for the base positions
+    `select(cols)` named before its call (sorted; shrinking with k: a chain that no later step scores is not
+    grown further). key_valid [B, T] bool: real (non-padding) keys of step 0. row_lengths (B == 1 only):
     the lengths of the rows packed into the sequence; attention stays inside each row (one block each,
     so memory is the sum of the rows' squares, as when they run one by one).
     """
 
     def __init__(self, key_valid: torch.Tensor, row_lengths: Optional[list[int]] = None):
         self.key_valid = key_valid.bool()
-        self.keys: list[torch.Tensor] = []     # per step [B, nKV, T_j, D]
+        self.keys: list[torch.Tensor] = []     # per step [B, nKV, T_j, D] (T_j: step j's base positions)
         self.values: list[torch.Tensor] = []
+        self.cols: list[Optional[torch.Tensor]] = []   # per step: its base positions [T_j] (None: all, step 0)
+        self.query_cols: Optional[torch.Tensor] = None
         T = key_valid.shape[1]
         ends = torch.tensor(row_lengths or [T]).cumsum(0).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))     # [start, end) of each packed row
         self._blocked: dict[int, torch.Tensor] = {}    # row start -> ~causal_allowed, built once per row
+
+    def select(self, cols: torch.Tensor) -> None:
+        """The next step's queries are the base positions cols [T_k] (sorted, a subset of the last step's)."""
+        self.query_cols = cols
 
     def blocked(self, start: int, end: int) -> torch.Tensor:
         """~causal_allowed(start, end), built at step 0; later steps read its top-left corner (their queries
@@ -73,30 +82,50 @@ class TTTAttention:
         return allowed[:, None, None]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cols = self.query_cols if self.keys else None
         self.keys.append(k)
         self.values.append(v)
-        T = q.shape[2]
-        blocks = [self._attend(q[:, :, s:min(e, T)], s, min(e, T)) for s, e in self.bounds if s < T]
+        self.cols.append(cols)
+        if cols is None:                                                   # step 0: every base position
+            T = q.shape[2]
+            blocks = [self._attend(q[:, :, s:min(e, T)], s, min(e, T)) for s, e in self.bounds if s < T]
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+        # Earlier steps' keys at these base positions: their rows in each step's own (larger) selection.
+        at = [torch.searchsorted(c, cols) for c in self.cols[1:-1]] + [torch.arange(len(cols), device=cols.device)]
+        edges = torch.searchsorted(cols, torch.tensor([b for se in self.bounds for b in se], device=cols.device))
+        edges = edges.view(-1, 2).tolist()                                 # [rows, 2] query range per packed row
+        blocks = [self._attend(q[:, :, i0:i1], s, int(cols[i1 - 1]) + 1, cols[i0:i1] - s,
+                               [a[i0:i1] for a in at])
+                  for (s, _), (i0, i1) in zip(self.bounds, edges) if i1 > i0]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
 
-    def _attend(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Queries of base positions start..end-1 [B, nH, L, D] against the keys of the same positions."""
-        B, nH, L, D = q.shape
+    def _attend(self, q: torch.Tensor, start: int, end: int, rows: Optional[torch.Tensor] = None,
+                diag_at: Optional[list] = None) -> torch.Tensor:
+        """Queries [B, nH, Lq, D] of base positions start..end-1 (rows: which of them, relative to start;
+        None: all) against the step-0 keys of start..end-1 and, at their own position, the later steps' keys
+        (diag_at: each later step's rows for these queries, None for the current step's own)."""
+        B, nH, Lq, D = q.shape
+        L = end - start
         nKV = self.keys[0].shape[1]
-        q = q.reshape(B, nKV, nH // nKV, L, D) * D ** -0.5                 # [B, nKV, g, L, D]
+        q = q.reshape(B, nKV, nH // nKV, Lq, D) * D ** -0.5                # [B, nKV, g, Lq, D]
         k0, v0 = self.keys[0][:, :, start:end], self.values[0][:, :, start:end]   # [B, nKV, L, D]
-        scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, L, L]
-        scores = scores.masked_fill(self.blocked(start, end), float("-inf"))
+        scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, Lq, L]
+        blocked = self.blocked(start, end)
+        scores = scores.masked_fill(blocked if rows is None else blocked[..., rows, :], float("-inf"))
         if len(self.keys) > 1:
-            kd = torch.stack([kj[:, :, start:end] for kj in self.keys[1:]], dim=2)   # [B, nKV, k, L, D]
-            vd = torch.stack([vj[:, :, start:end] for vj in self.values[1:]], dim=2)
-            diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, L, k]
-            scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, L, L + k]
+            if diag_at is None:                                               # every step holds all positions
+                kd = torch.stack([kj[:, :, start:end] for kj in self.keys[1:]], dim=2)    # [B, nKV, k, Lq, D]
+                vd = torch.stack([vj[:, :, start:end] for vj in self.values[1:]], dim=2)
+            else:
+                kd = torch.stack([kj.index_select(2, a) for kj, a in zip(self.keys[1:], diag_at)], dim=2)
+                vd = torch.stack([vj.index_select(2, a) for vj, a in zip(self.values[1:], diag_at)], dim=2)
+            diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, Lq, k]
+            scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, Lq, L + k]
         probs = scores.softmax(-1, dtype=_wide(q.dtype)).to(q.dtype)
         out = torch.einsum("bngts,bnsd->bngtd", probs[..., :L], v0)
         if len(self.keys) > 1:
             out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., L:], vd)
-        return out.reshape(B, nH, L, D)
+        return out.reshape(B, nH, Lq, D)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +248,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
                 feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True,
-                row_lengths: Optional[list[int]] = None) -> TTTOutput:
+                row_lengths: Optional[list[int]] = None, grow_every_chain: bool = False) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
@@ -234,6 +263,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     and attention, chains never cross into the next row, and the loss is the mean over rows of each row's own
     loss: the same loss and gradients as the rows run one by one and averaged (gradient accumulation), with
     R times larger matrix products.
+    Steps k >= 1 grow only the chains some later step scores (chains_to_grow: a chain ending in a prompt is
+    dropped after step 0); grow_every_chain=True grows all of them (the same loss, more work; for measuring).
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -267,26 +298,36 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     step_loss, step_correct, step_count = [], [], []
     alive = None                                                           # [B, T_k] chain still accepted
     accept_sum, accept_count = zero.clone(), zero.clone()
+    grown = chains_to_grow(torch.ones_like(needed) if grow_every_chain else needed, ttt_length)   # step k's bases
     for k in range(ttt_length):
         n = T - k - 1                                                      # base positions with a token x_{t+k+1}
-        if n <= 0:
+        cols = grown[k]                                                    # [T_k] (None: all n, step 0)
+        if n <= 0 or (cols is not None and cols.numel() == 0):
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
-        h = draft(input_ids[:, k + 1:], hidden[:, :n], positions[:, :n] + k, attend=attend)   # [B, n, H]
-        sel, v = needed[:, k + 1:], valid[:, k + 1:]                       # [B, n] positions with logits / counted
+        if cols is None:
+            pick = slice(None, n)
+        else:                                                              # rows of last step's outputs
+            pick = cols if grown[k - 1] is None else torch.searchsorted(grown[k - 1], cols)
+            attend.select(cols)
+            hidden, alive = hidden.index_select(1, pick), alive[:, pick]   # index_select: fast backward
+            pick = cols
+        h = draft(input_ids[:, k + 1:][:, pick], hidden[:, :n] if cols is None else hidden,
+                  positions[:, pick] + k, attend=attend)                   # [B, T_k, H]
+        sel, v = needed[:, k + 1:][:, pick], valid[:, k + 1:][:, pick]     # [B, T_k] positions with logits / counted
         row_of_base = None
         if row_id is not None:                                             # packed: no chain runs into the next row
-            row_of_base = row_id[:, :n]
-            in_row = row_of_base == row_id[:, k + 1:]
+            row_of_base = row_id[:, pick]
+            in_row = row_of_base == row_id[:, k + 1:][:, pick]
             sel, v = sel & in_row, v & in_row
         logits = draft.compute_logits(h[sel])                              # [S, Vd]
-        p_rows = row_of[:, k + 1:][sel]                                    # [S] rows of p_needed
+        p_rows = row_of[:, k + 1:][:, pick][sel]                           # [S] rows of p_needed
         if fused_ce:
             ce = soft_cross_entropy(logits, p_needed, p_rows)              # [S]
         else:
             ce = -(p_needed[p_rows] * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
-        m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[sel].float()     # [S] positions this step's loss scores
+        m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[:, pick][sel].float()   # [S] positions the loss scores
         loss_k = _mean_loss(ce * m, m, None if row_of_base is None else row_of_base[sel], num_rows)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:
@@ -296,18 +337,38 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
                                    num_rows)
             total = total + feature_loss_weight * feat_loss
         with torch.no_grad():
-            ok = torch.zeros_like(sel)                                     # [B, n] draft's pick == target's
-            ok[sel] = draft_ids[_argmax(logits)] == top[:, k + 1:][sel]
+            ok = torch.zeros_like(sel)                                     # [B, T_k] draft's pick == target's
+            ok[sel] = draft_ids[_argmax(logits)] == top[:, k + 1:][:, pick][sel]
             step_loss.append(loss_k.detach())
             step_correct.append((ok & v).sum().float())
             step_count.append(v.sum().float())
-            alive = (ok & v) if alive is None else (alive[:, :n] & ok & v)
+            alive = (ok & v) if alive is None else (alive & ok & v)
             if k == 0:
                 accept_count = v.sum().float()
             accept_sum = accept_sum + alive.sum().float()
         hidden = draft.next_hidden(h)                                       # EAGLE-3.1: normed
     return TTTOutput(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count),
                      accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
+
+
+def chains_to_grow(needed: torch.Tensor, ttt_length: int) -> list[Optional[torch.Tensor]]:
+    """needed [B, T] (positions whose target distribution a step may score) -> per step k the base positions
+    [T_k] whose chain step k must grow: some step j >= k scores position t + j + 1 (in any row of the batch).
+    Step 0 (None) runs every position: its keys are every later query's context. The sets shrink with k, and
+    a chain no later step scores is dropped: prompt tokens cost step 0 only."""
+    T = needed.shape[1]
+    grown: list[Optional[torch.Tensor]] = [None] * ttt_length
+    later = None                                                           # [B, T_{k+1}] scored at a step > k
+    for k in range(ttt_length - 1, 0, -1):
+        n = T - k - 1
+        if n <= 0:
+            continue
+        scored = needed[:, k + 1:].clone()                                 # [B, n] step k's own
+        if later is not None:
+            scored[:, :later.shape[1]] |= later
+        later = scored
+        grown[k] = scored.any(0).nonzero().squeeze(1)
+    return grown
 
 
 def _packed_rows(row_lengths: Optional[list[int]], B: int, T: int, dev) -> tuple[Optional[torch.Tensor], torch.Tensor]:

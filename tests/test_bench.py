@@ -436,8 +436,12 @@ def test_trainer_speed_reports_every_configuration(env, tmp_path, capsys):
     assert set(r["configs"]) == {"fp32 (before)", "fp32", "bf16 autocast (after)",
                                  "bf16 autocast, online (target features each step)",
                                  "bf16 autocast, 2 rows packed per forward",
-                                 "bf16 autocast, 2 rows packed per forward, loss in PyTorch ops (no csrc kernels)"}
+                                 "bf16 autocast, 2 rows packed per forward, every chain grown",
+                                 "bf16 autocast, 2 rows packed per forward, loss in PyTorch ops (no csrc kernels), "
+                                 "every chain grown"}
     assert all(c["tokens_per_s"] > 0 and c["fraction_of_peak"] > 0 for c in r["configs"].values())
+    # 10 prompt tokens per row: steps 1-2 skip the chains that end in them, so fewer FLOPs for the same tokens
+    assert 0 < r["model_gflop_per_round"] < r["model_gflop_per_round_every_chain_grown"]
     assert r["tokens_per_round"] == 60 and "online" in capsys.readouterr().out
     assert trainer_main(["--target", env["target"], "--data", str(rows), "--rows", "5", "--out", str(out)]) == 2
     assert "fewer than 5 rows" in capsys.readouterr().err

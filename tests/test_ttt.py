@@ -6,7 +6,7 @@ from torch import nn
 
 from sglang_eagle3.config import Eagle3Config
 from sglang_eagle3.draft import Eagle3DraftModel, sdpa_attend
-from sglang_eagle3.ttt import TTTAttention, metrics_from_counters, target_distribution, ttt_forward
+from sglang_eagle3.ttt import TTTAttention, chains_to_grow, metrics_from_counters, target_distribution, ttt_forward
 
 V, VD, H, T, B, K = 40, 28, 32, 9, 2, 4
 DT = torch.float64
@@ -15,7 +15,8 @@ DT = torch.float64
 RTOL, ATOL = 1e-6, 1e-9
 
 
-def make_setup(num_aux=3, seed=0, eagle31=False):
+def make_setup(num_aux=3, seed=0, eagle31=False, T=T, gap=None):
+    """gap (start, end): a second prompt inside the rows (loss_mask 0 there), as in a two-turn chat."""
     g = torch.Generator().manual_seed(seed)
     cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
@@ -36,6 +37,8 @@ def make_setup(num_aux=3, seed=0, eagle31=False):
     ids = torch.randint(0, V, (B, T), generator=g)
     loss_mask = torch.ones(B, T, dtype=torch.long)
     loss_mask[:, :2] = 0                       # a "prompt"
+    if gap is not None:
+        loss_mask[:, gap[0]:gap[1]] = 0
     attn = torch.ones(B, T, dtype=torch.long)
     attn[1, T - 2:] = 0                        # row 1 is right-padded
     loss_mask[1, T - 2:] = 0
@@ -53,6 +56,7 @@ def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feat
     positions 0 .. t+k, plain causal attention; o^k_t is the last output; target = softmax at t+k+1.
     """
     ids, lm, am = d["input_ids"], d["loss_mask"], d["attention_mask"]
+    B, T = ids.shape
     valid = lm.bool() & am.bool()
     draft_ids = draft.draft_to_target(torch.arange(VD))
     p_all, top = target_distribution(d["last"], lm_head, draft_ids)
@@ -136,6 +140,27 @@ def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset
     assert (out.step_loss > 0).all() and (ref_counters[K:2 * K] > 0).all()
     if fw:
         assert out.feature_loss is not None and out.feature_loss > 0
+
+
+@pytest.mark.parametrize("offset,eagle31", [(1, False), (0, False), (1, True)])
+def test_chains_no_later_step_scores_are_not_grown(offset, eagle31):
+    """A second prompt inside the rows: the chains that end in it are dropped after step 0 and the loss,
+    counters and gradients still equal the naive drafting's."""
+    draft, lm_head, d = make_setup(T=18, gap=(7, 13), eagle31=eagle31)
+    grown = chains_to_grow(d["loss_mask"].bool() & d["attention_mask"].bool(), K)
+    assert grown[0] is None and all(len(grown[k]) < 18 - k - 1 for k in range(1, K))   # some chains dropped
+    assert grown[1].tolist() == [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 15]  # 5-8: steps 1-3 land in the gap
+    out = efficient(draft, lm_head, d, loss_mask_offset=offset)
+    g_fast = grads(draft, out.loss)
+    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, loss_mask_offset=offset)
+    g_ref = grads(draft, ref_loss)
+    torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
+    assert torch.equal(out.counters(), ref_counters)
+    for name in g_ref:
+        scale = g_ref[name].abs().max().item()
+        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 class CausalOverAllSteps(TTTAttention):

@@ -4,9 +4,11 @@ Rows come from a prepare-data folder; the target computes their features once, u
 so only the trainer's own work is timed: the TTT forward and backward over `ttt_length` steps and the AdamW
 step. Reported: tokens/s per precision (median over alternated rounds), model FLOP/s against the matmul peak
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
-configuration (fp32, the plain log_softmax loss) and the "after" one (bf16 autocast, the fused loss), and
+configuration (fp32, the plain log_softmax loss, every chain grown) and the "after" one (bf16 autocast, the fused loss), and
 of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
-configuration runs twice, with the loss in csrc's kernels (the default) and in PyTorch ops.
+configuration runs three times: as the trainer does (csrc's loss kernels, only the chains a later step scores
+grown), with every chain grown at every step, and with that and the loss in PyTorch ops. Model FLOPs count the
+work each configuration does (fewer chains grown: fewer FLOPs for the same tokens).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from . import report
+from ..ttt import chains_to_grow
 
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
@@ -34,13 +37,15 @@ def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> 
     return 2 * n ** 3 / best / 1e9
 
 
-def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None) -> float:
+def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None, grow_every_chain: bool = False) -> float:
     """Model FLOPs of one TTT row of T tokens (forward + backward = 3x forward for trained weights; the
     target's full-vocabulary head, forward only). needed [T] bool: the positions whose target distribution
-    and draft logits are computed (the assistant tokens; default all): the heads run only there."""
+    and draft logits are computed (the assistant tokens; default all): the heads run only there, and steps
+    k >= 1 grow only the chains a later step scores (ttt.chains_to_grow), as the trainer does."""
     H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     needed = np.ones(T, dtype=bool) if needed is None else np.asarray(needed, dtype=bool)
+    grown = chains_to_grow(torch.from_numpy(np.ones_like(needed) if grow_every_chain else needed)[None], K)
     layer = 2 * H * (nH + 2 * nKV) * D + nH * D * H + 3 * H * I             # per token, multiply-adds
     total = 2 * int(needed.sum()) * cfg.target_hidden_size * vocab         # target distribution
     total += 3 * 2 * T * cfg.num_aux * cfg.target_hidden_size * H          # fc, once
@@ -48,9 +53,11 @@ def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None) -> float:
         n = T - k - 1
         if n <= 0:
             break
-        attn = 2 * 2 * n * (n / 2 + k) * nH * D                            # scores + weighted sum (causal + diag)
+        cols = np.arange(n) if grown[k] is None else grown[k].numpy()     # base positions step k runs
+        keys = float((cols + 1).sum()) + k * len(cols)                      # causal keys + the chain's own
+        attn = 2 * 2 * keys * nH * D                                        # scores + weighted sum
         head = 2 * int(needed[k + 1:].sum()) * H * Vd                       # draft lm_head where scored
-        total += 3 * (2 * n * layer + attn + head)
+        total += 3 * (2 * len(cols) * layer + attn + head)
     return total
 
 
@@ -99,20 +106,24 @@ def run(argv=None) -> int:
         aux, last = tm.features(x)
         feats.append((x, torch.from_numpy(mask.astype(np.int64))[None], aux, last))
     tokens = sum(f[0].shape[1] for f in feats)
-    flops = sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0) for f in feats)
+    flops = {grow_all: sum(ttt_flops(cfg, f[0].shape[1], a.ttt_length, tm.vocab_size, f[1][0].numpy() > 0, grow_all)
+                           for f in feats) for grow_all in (False, True)}
     packed_name = f"bf16 autocast, {a.pack} rows packed per forward"
-    # (autocast, fused loss, online, rows per forward, csrc's loss kernels for bf16 logits: soft CE, target side)
-    configs = {"fp32 (before)": (False, False, False, 1, True), "fp32": (False, True, False, 1, True),
-               "bf16 autocast (after)": (True, True, False, 1, True),
-               "bf16 autocast, online (target features each step)": (True, True, True, 1, True),
-               f"{packed_name}, loss in PyTorch ops (no csrc kernels)": (True, True, False, a.pack, False),
-               packed_name: (True, True, False, a.pack, True)}
+    # (autocast, fused loss, online, rows per forward, csrc's loss kernels for bf16 logits: soft CE, target side,
+    #  every chain grown at every step)
+    configs = {"fp32 (before)": (False, False, False, 1, True, True), "fp32": (False, True, False, 1, True, False),
+               "bf16 autocast (after)": (True, True, False, 1, True, False),
+               "bf16 autocast, online (target features each step)": (True, True, True, 1, True, False),
+               f"{packed_name}, loss in PyTorch ops (no csrc kernels), every chain grown":
+                   (True, True, False, a.pack, False, True),
+               f"{packed_name}, every chain grown": (True, True, False, a.pack, True, True),
+               packed_name: (True, True, False, a.pack, True, False)}
 
-    def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool) -> float:
+    def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool, grow_all: bool) -> float:
         with kernels.using("auto" if kernel else "off"):
-            return _round(autocast, fused, online, pack)
+            return _round(autocast, fused, online, pack, grow_all)
 
-    def _round(autocast: bool, fused: bool, online: bool, pack: int) -> float:
+    def _round(autocast: bool, fused: bool, online: bool, pack: int, grow_all: bool) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(feats), pack):
             group = feats[i:i + pack]
@@ -123,7 +134,7 @@ def run(argv=None) -> int:
             lengths = [g[0].shape[1] for g in group] if pack > 1 else None
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused,
-                                  row_lengths=lengths)
+                                  row_lengths=lengths, grow_every_chain=grow_all)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -137,13 +148,15 @@ def run(argv=None) -> int:
             times[name].append(one_round(*cfg_flags))
     peak = {"bfloat16": matmul_peak_gflops(torch.bfloat16), "float32": matmul_peak_gflops(torch.float32)}
     result = {"format": "sglang_eagle3.bench_trainer/1", "rows": len(feats), "tokens_per_round": tokens,
-              "ttt_length": a.ttt_length, "threads": a.threads, "model_gflop_per_round": flops / 1e9,
+              "ttt_length": a.ttt_length, "threads": a.threads, "model_gflop_per_round": flops[False] / 1e9,
+              "model_gflop_per_round_every_chain_grown": flops[True] / 1e9,
               "matmul_peak_gflops": peak, "configs": {}, "meta": report.run_metadata()}
     for name, ts in times.items():
         t = statistics.median(ts)
         dt = "bfloat16" if "bf16" in name else "float32"
-        result["configs"][name] = {"tokens_per_s": tokens / t, "gflops": flops / t / 1e9,
-                                   "fraction_of_peak": flops / t / 1e9 / peak[dt], "seconds": ts}
+        work = flops[configs[name][5]]                                   # the FLOPs this configuration does
+        result["configs"][name] = {"tokens_per_s": tokens / t, "gflops": work / t / 1e9,
+                                   "fraction_of_peak": work / t / 1e9 / peak[dt], "seconds": ts}
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         result["profile"] = {}
