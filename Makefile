@@ -59,6 +59,8 @@ REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-to
 # contexts drawn from the target's own distribution (0: none)
 SAMPLED_ROWS ?= 3808
 SAMPLED_T ?= 0.7
+# SAMPLED_PROMPT_CHARS: only prompts up to this many characters get a sampled answer (answered shortest first)
+SAMPLED_PROMPT_CHARS ?= $(SHAREGPT_PROMPT_CHARS)
 SAMPLED_OUT = $(if $(filter-out 0,$(SAMPLED_ROWS)),$(RUN)/regen_sharegpt_t$(SAMPLED_T).jsonl)
 REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl \
 	    $(SAMPLED_OUT)
@@ -97,7 +99,7 @@ regenerate: $(STAMP)  ## every training prompt answered by the embedded target i
 	$(REGEN) $(DATA)/train/gsm8k_train.jsonl --max-rows $(GSM8K_ROWS) --out $(RUN)/regen_gsm8k.jsonl
 	$(REGEN) $(DATA)/train/sharegpt_1k.jsonl --max-rows $(SHAREGPT1K_ROWS) --max-turns 2 --out $(RUN)/regen_sharegpt1k.jsonl
 	$(if $(SAMPLED_OUT),$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-rows $(SAMPLED_ROWS) \
-	    --max-prompt-chars $(SHAREGPT_PROMPT_CHARS) --temperature $(SAMPLED_T) --seed 0 --out $(SAMPLED_OUT))
+	    --max-prompt-chars $(SAMPLED_PROMPT_CHARS) --temperature $(SAMPLED_T) --seed 0 --out $(SAMPLED_OUT))
 
 data: $(STAMP)  ## tokenize the regenerated answers (rows up to MAX_LEN tokens; LOOPS=cut|drop|keep) + draft vocab
 	@for f in $(REGEN_OUT); do test -f $$f || { echo "missing $$f: run 'make regenerate' first"; exit 2; }; done

@@ -103,7 +103,8 @@ class TTTAttention:
                 diag_at: Optional[list] = None) -> torch.Tensor:
         """Queries [B, nH, Lq, D] of base positions start..end-1 (rows: which of them, relative to start;
         None: all) against the step-0 keys of start..end-1 and, at their own position, the later steps' keys
-        (diag_at: each later step's rows for these queries, None for the current step's own)."""
+        (diag_at: per step >= 1, the rows of its keys for these queries; None: no selection, every step holds
+        the positions start..end-1)."""
         B, nH, Lq, D = q.shape
         L = end - start
         nKV = self.keys[0].shape[1]
@@ -306,11 +307,11 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
             continue
         if cols is None:
-            pick = slice(None, n)
-        else:                                                              # rows of last step's outputs
-            pick = cols if grown[k - 1] is None else torch.searchsorted(grown[k - 1], cols)
+            pick = slice(None, n)                                          # base positions of this step
+        else:
+            prev = cols if grown[k - 1] is None else torch.searchsorted(grown[k - 1], cols)   # rows of step k-1
+            hidden, alive = hidden.index_select(1, prev), alive[:, prev]   # index_select: a fast backward
             attend.select(cols)
-            hidden, alive = hidden.index_select(1, pick), alive[:, pick]   # index_select: fast backward
             pick = cols
         h = draft(input_ids[:, k + 1:][:, pick], hidden[:, :n] if cols is None else hidden,
                   positions[:, pick] + k, attend=attend)                   # [B, T_k, H]
