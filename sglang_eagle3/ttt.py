@@ -42,7 +42,7 @@ class TTTAttention:
 
     Step 0 receives q/k/v for every base position. Step k >= 1 receives them for the base positions
     `select(cols)` named before its call (sorted; shrinking with k: a chain that no later step scores is not
-    grown further). key_valid [B, T] bool: real (non-padding) keys of step 0. row_lengths (B == 1 only):
+    grown further; without select, every base position). key_valid [B, T] bool: real (non-padding) keys of step 0. row_lengths (B == 1 only):
     the lengths of the rows packed into the sequence; attention stays inside each row (one block each,
     so memory is the sum of the rows' squares, as when they run one by one).
     """
@@ -82,7 +82,9 @@ class TTTAttention:
         return allowed[:, None, None]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cols = self.query_cols if self.keys else None
+        cols = None
+        if self.keys:                                                      # step >= 1: selected (default all)
+            cols = self.query_cols if self.query_cols is not None else torch.arange(q.shape[2], device=q.device)
         self.keys.append(k)
         self.values.append(v)
         self.cols.append(cols)
@@ -103,8 +105,7 @@ class TTTAttention:
                 diag_at: Optional[list] = None) -> torch.Tensor:
         """Queries [B, nH, Lq, D] of base positions start..end-1 (rows: which of them, relative to start;
         None: all) against the step-0 keys of start..end-1 and, at their own position, the later steps' keys
-        (diag_at: per step >= 1, the rows of its keys for these queries; None: no selection, every step holds
-        the positions start..end-1)."""
+        (diag_at: per step >= 1, the rows of its keys for these queries; None at step 0)."""
         B, nH, Lq, D = q.shape
         L = end - start
         nKV = self.keys[0].shape[1]
@@ -113,18 +114,14 @@ class TTTAttention:
         scores = torch.einsum("bngtd,bnsd->bngts", q, k0)                     # [B, nKV, g, Lq, L]
         blocked = self.blocked(start, end)
         scores = scores.masked_fill(blocked if rows is None else blocked[..., rows, :], float("-inf"))
-        if len(self.keys) > 1:
-            if diag_at is None:                                               # every step holds all positions
-                kd = torch.stack([kj[:, :, start:end] for kj in self.keys[1:]], dim=2)    # [B, nKV, k, Lq, D]
-                vd = torch.stack([vj[:, :, start:end] for vj in self.values[1:]], dim=2)
-            else:
-                kd = torch.stack([kj.index_select(2, a) for kj, a in zip(self.keys[1:], diag_at)], dim=2)
-                vd = torch.stack([vj.index_select(2, a) for vj, a in zip(self.values[1:], diag_at)], dim=2)
+        if diag_at:
+            kd = torch.stack([kj.index_select(2, a) for kj, a in zip(self.keys[1:], diag_at)], dim=2)  # [B, nKV, k, Lq, D]
+            vd = torch.stack([vj.index_select(2, a) for vj, a in zip(self.values[1:], diag_at)], dim=2)
             diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, Lq, k]
             scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, Lq, L + k]
         probs = scores.softmax(-1, dtype=_wide(q.dtype)).to(q.dtype)
         out = torch.einsum("bngts,bnsd->bngtd", probs[..., :L], v0)
-        if len(self.keys) > 1:
+        if diag_at:
             out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., L:], vd)
         return out.reshape(B, nH, Lq, D)
 

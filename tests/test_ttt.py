@@ -116,19 +116,13 @@ def grads(draft, loss):
     return {n: p.grad.clone() for n, p in draft.named_parameters()}
 
 
-@pytest.mark.parametrize("features,num_aux,fw,offset,eagle31", [
-    ("fused", 3, 0.0, 1, False), ("top", 1, 0.0, 1, False), ("fused", 3, 0.5, 1, False),
-    ("fused", 3, 0.0, 0, False),          # the authors' / SpecForge's loss-mask convention
-    ("fused", 3, 0.0, 1, True)])          # EAGLE-3.1: fc_norm + norm_output
-def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset, eagle31):
-    draft, lm_head, d = make_setup(num_aux=num_aux, eagle31=eagle31)
-    out = efficient(draft, lm_head, d, features=features, feature_loss_weight=fw, loss_mask_offset=offset)
+def assert_matches_naive(draft, lm_head, d, **kw):
+    """The one-pass TTT against naive_ttt: losses, per-step losses, counters and gradients.
+    -> (TTTOutput, naive counters, naive gradients)."""
+    out = efficient(draft, lm_head, d, **kw)
     g_fast = grads(draft, out.loss)
-    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, features=features, feature_loss_weight=fw,
-                                                  loss_mask_offset=offset)
+    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, **kw)
     g_ref = grads(draft, ref_loss)
-
-    assert out.loss.dtype == DT
     torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
     assert torch.equal(out.counters(), ref_counters)
@@ -136,6 +130,18 @@ def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset
         scale = g_ref[name].abs().max().item()
         torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
                                    msg=lambda m: f"{name}: {m}")
+    return out, ref_counters, g_ref
+
+
+@pytest.mark.parametrize("features,num_aux,fw,offset,eagle31", [
+    ("fused", 3, 0.0, 1, False), ("top", 1, 0.0, 1, False), ("fused", 3, 0.5, 1, False),
+    ("fused", 3, 0.0, 0, False),          # the authors' / SpecForge's loss-mask convention
+    ("fused", 3, 0.0, 1, True)])          # EAGLE-3.1: fc_norm + norm_output
+def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset, eagle31):
+    draft, lm_head, d = make_setup(num_aux=num_aux, eagle31=eagle31)
+    out, ref_counters, g_ref = assert_matches_naive(draft, lm_head, d, features=features, feature_loss_weight=fw,
+                                                    loss_mask_offset=offset)
+    assert out.loss.dtype == DT
     assert all(g.abs().sum() > 0 for g in g_ref.values())      # every weight is exercised
     assert (out.step_loss > 0).all() and (ref_counters[K:2 * K] > 0).all()
     if fw:
@@ -150,17 +156,7 @@ def test_chains_no_later_step_scores_are_not_grown(offset, eagle31):
     grown = chains_to_grow(d["loss_mask"].bool() & d["attention_mask"].bool(), K)
     assert grown[0] is None and all(len(grown[k]) < 18 - k - 1 for k in range(1, K))   # some chains dropped
     assert grown[1].tolist() == [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 15]  # 5-8: steps 1-3 land in the gap
-    out = efficient(draft, lm_head, d, loss_mask_offset=offset)
-    g_fast = grads(draft, out.loss)
-    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, loss_mask_offset=offset)
-    g_ref = grads(draft, ref_loss)
-    torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
-    assert torch.equal(out.counters(), ref_counters)
-    for name in g_ref:
-        scale = g_ref[name].abs().max().item()
-        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
-                                   msg=lambda m: f"{name}: {m}")
+    assert_matches_naive(draft, lm_head, d, loss_mask_offset=offset)
 
 
 class CausalOverAllSteps(TTTAttention):
