@@ -6,7 +6,7 @@ setup(
     description="Train, serve and benchmark EAGLE-3 speculative decoding drafts (SGLang-compatible).",
     python_requires=">=3.10",
     packages=find_packages(include=["sglang_eagle3", "sglang_eagle3.*"]),
-    package_data={"sglang_eagle3": ["csrc/*.cpp"]},      # compiled on first use (kernels.py) into the cache
+    package_data={"sglang_eagle3": ["csrc/*.cpp", "csrc/*.h"]},      # compiled on first use (kernels.py) into the cache
     install_requires=[
         "torch>=2.4",
         "transformers>=4.57",

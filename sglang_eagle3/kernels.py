@@ -52,9 +52,28 @@ class using:
         set_mode(self.old)
 
 
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("cpu_ops.cpp", "amx_linear.cpp")        # + linear.h, their shared declarations
+
+
 def build_dir() -> str:
+    """Per torch version, CPU feature set and kernel sources: -march=native code built on one host never runs on
+    another (a cache copied to a CPU without AMX), and an edited header rebuilds (torch hashes only sources)."""
+    import hashlib
     from .testbed import cache_dir
-    return os.path.join(cache_dir(), "torch_extensions", f"torch{torch.__version__.split('+')[0]}")
+    h = hashlib.sha1(_cpu_flags().encode())
+    for name in sorted(os.listdir(CSRC)):
+        with open(os.path.join(CSRC, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    return os.path.join(cache_dir(), "torch_extensions", f"torch{torch.__version__.split('+')[0]}-{h.hexdigest()[:12]}")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def extension(build: bool = True):
@@ -68,9 +87,9 @@ def extension(build: bool = True):
         if _ext is None and _ext_error is None:
             try:
                 from torch.utils.cpp_extension import load
-                src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ops.cpp")
                 os.makedirs(build_dir(), exist_ok=True)
-                _ext = load(name="sglang_eagle3_cpu_ops", sources=[src], build_directory=build_dir(),
+                _ext = load(name="sglang_eagle3_cpu_ops", sources=[os.path.join(CSRC, f) for f in SOURCES],
+                            build_directory=build_dir(),
                             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                             verbose=False)
             except Exception as e:   # a missing compiler or headers: fall back to the PyTorch twins
@@ -94,22 +113,48 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        return False
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (decode, verify, draft steps)
+SMALL_M_AMX = 128  # the same for its AMX tile kernel
+_amx = os.environ.get("EAGLE3_AMX", "auto")            # auto | off: the AVX-512 BF16 kernel even where AMX runs
+
+
+def amx_active() -> bool:
+    """PackedLinears built now use csrc's AMX tile kernel (AMX CPU, OS permission, not turned off)."""
+    ext = extension()
+    return _amx != "off" and ext is not None and ext.amx_usable()
+
+
+class using_amx:
+    """with kernels.using_amx(False): models built inside use the AVX-512 BF16 kernel (side-by-side benchmarks)."""
+
+    def __init__(self, on: bool):
+        self.new = "auto" if on else "off"
+
+    def __enter__(self):
+        global _amx
+        self.old, _amx = _amx, self.new
+
+    def __exit__(self, *exc):
+        global _amx
+        _amx = self.old
+
+
+def small_m(packed: Optional[torch.Tensor] = None) -> int:
+    """Rows up to which the few-row kernel (of this packed weight; default: the one built now) serves a product."""
+    amx = packed.dim() == 6 if packed is not None else amx_active()
+    return SMALL_M_AMX if amx else SMALL_M
 
 
 class PackedLinear:
-    """y = x @ W^T + b with W [N, K], decided when built (set_mode before loading a model):
-    bf16 on a CPU with AVX-512 BF16: up to SMALL_M rows, csrc's dot-product kernel over weights packed for it
-    (45-70 GB/s at one row on 2 cores here, depending on the host's load; a row's result does not depend on how
-    many rows come with it);
+    """y = x @ W^T + b with W [N, K], decided when built (set_mode / using_amx before loading a model):
+    bf16 on a CPU with AMX: up to SMALL_M_AMX rows, csrc's tile kernel (amx_linear.cpp: 16 rows cost what one
+    does); with AVX-512 BF16 only: up to SMALL_M rows, csrc's dot-product kernel (45-70 GB/s at one row on 2 cores,
+    but bound by its dot products from ~4 rows on). Either way over weights packed for it, and a row's result does
+    not depend on how many rows come with it;
     more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
     Otherwise F.linear on the weight itself."""
 
@@ -121,7 +166,11 @@ class PackedLinear:
             pack = _mode != "off" and weight.device.type == "cpu" and packing_supported(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if pack else None
         ext = extension() if pack else None
-        self.small = ext.pack_bf16(weight) if ext is not None and ext.has_bf16_dot() else None
+        if ext is not None and amx_active():
+            self.small = ext.pack_amx(weight)
+        else:
+            self.small = ext.pack_bf16(weight) if ext is not None and ext.has_bf16_dot() else None
+        self.small_m = small_m(self.small) if self.small is not None else 0
         self.bias32 = None if self.bias is None else self.bias.float()
         self.weight = None if pack else weight          # no unpacked copy when packed
 
@@ -130,7 +179,7 @@ class PackedLinear:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.small is not None and x2.shape[0] <= SMALL_M and x2.dtype == torch.bfloat16:
+        if x2.shape[0] <= self.small_m and x2.dtype == torch.bfloat16:
             y = extension().linear_bf16(x2, self.small, self.out_features, self.bias32)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

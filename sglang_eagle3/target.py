@@ -157,7 +157,7 @@ class TargetModel(nn.Module):
     def _fused_layers_apply(self, x: torch.Tensor, T: int, tree_mask) -> bool:
         """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every linear packed for the
         few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill)."""
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] * T > K.SMALL_M or \
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] * T > self.layers[0].wqkv.small_m or \
                 not self._over_pool(T, tree_mask):
             return False
         ok = self._layer_step_ok.get(K.mode())

@@ -167,23 +167,46 @@ def test_static_attention_equals_the_kernel_and_the_reference(dtype, D):
         assert torch.equal(one[0].float(), outs[2][0][b])
 
 
-def test_packed_linear_paths_agree():
-    """The few-row AVX-512 BF16 kernel, oneDNN's prepacked path and F.linear give the same products (bf16), and a
-    row's result does not depend on how many rows come with it (decode vs verify)."""
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "avx512"])
+def test_packed_linear_paths_agree(amx):
+    """The few-row kernels (AMX tiles where the CPU has them, AVX-512 BF16 dot products), oneDNN's prepacked path
+    and F.linear give the same products (bf16), and a row's result does not depend on how many rows come with it
+    (decode vs verify), in blocks of 16 rows, with a remainder block and with K off the 32-wide slice grid."""
     import torch.nn.functional as F
     from sglang_eagle3 import kernels as K
+    if amx and not K.amx_active():
+        pytest.skip("no AMX on this CPU (or EAGLE3_AMX=off)")
     torch.manual_seed(0)
-    for N, Kd, bias in ((960, 576, True), (577, 575, False), (64, 1536, False)):
-        w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
-        b = torch.randn(N).to(torch.bfloat16) if bias else None
-        lin = K.PackedLinear(w, b)
-        for M in (1, 5, 16, 40):
-            x = torch.randn(M, Kd).to(torch.bfloat16)
-            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-            got = lin(x).float()
-            assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
-            if M > 1 and M <= K.SMALL_M and lin.small is not None:
-                assert torch.equal(lin(x[:1]), lin(x)[:1])                # row-invariant
+    with K.using_amx(amx):
+        for N, Kd, bias in ((960, 576, True), (577, 575, False), (64, 1536, False), (8, 40, True)):
+            w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
+            b = torch.randn(N).to(torch.bfloat16) if bias else None
+            lin = K.PackedLinear(w, b)
+            assert lin.small is None or lin.small.dim() == (6 if amx else 5)
+            for M in (1, 5, 16, 17, 40, 130):
+                x = torch.randn(M, Kd).to(torch.bfloat16)
+                ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+                got = lin(x).float()
+                assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
+                if M > 1 and M <= lin.small_m:
+                    assert torch.equal(lin(x[:1]), lin(x)[:1]) and torch.equal(lin(x[-1:]), lin(x)[-1:])  # row-invariant
+
+
+def test_amx_and_avx512_kernels_round_alike():
+    """On an AMX CPU both few-row kernels sum in fp32 and round to bf16 once: they differ on rare last-bit
+    roundings only, so a draft or target behaves the same whichever kernel the host picks."""
+    from sglang_eagle3 import kernels as K
+    if not K.amx_active():
+        pytest.skip("no AMX on this CPU (or EAGLE3_AMX=off)")
+    torch.manual_seed(1)
+    w = (torch.randn(1000, 576) * 0.05).to(torch.bfloat16)
+    x = torch.randn(8, 576).to(torch.bfloat16)
+    amx = K.PackedLinear(w)
+    with K.using_amx(False):
+        avx = K.PackedLinear(w)
+    a, b = amx(x), avx(x)
+    assert (a != b).float().mean() < 0.01
+    assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7 + 1e-6).all()     # at most one bf16 ulp
 
 
 def test_fused_layer_step_equals_the_step_by_step_path():

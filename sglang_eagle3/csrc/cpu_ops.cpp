@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "linear.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define E3_AVX512 1
@@ -630,7 +632,9 @@ inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh*
 }  // namespace
 
 // x [M, K] bf16 @ W^T with W packed by pack_bf16 -> y [M, N] bf16 (fp32 accumulation; bias fp32 or none)
+// (a weight packed by pack_amx goes to amx_linear.cpp's tile kernel)
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  if (is_amx_packed(packed)) return linear_amx(x, packed, N, bias);
 #ifdef E3_BF16DOT
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
               packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 2,
@@ -880,6 +884,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight");
   m.def("has_bf16_dot", &has_bf16_dot, "built with AVX-512 BF16 dot products");
+  m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
+  m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
   m.def("layer_step", &layer_step, "one decoder layer of a decode/verify step (bf16, packed weights)");
   m.def("tree_attention", &tree_attention, "attention over a row-indexed KV pool with a tree mask (writes k/v)");
   m.def("qkv_attention", &qkv_attention, "rotary embedding + tree_attention from the fused qkv projection");
