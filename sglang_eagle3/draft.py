@@ -130,10 +130,32 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     def forward(self, embeds, hidden, cos, sin, attend: AttendFn):
+        fused = self._fused_layer(embeds, hidden, cos, sin, attend)
+        if fused is not None:
+            return fused
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)   # [B, T, 2H]
         hidden = residual + self.self_attn(x, cos, sin, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))   # pre-norm output [B, T, H]
+
+    def _fused_layer(self, embeds, hidden, cos, sin, attend):
+        """The same layer as one csrc call (draft_layer: the same kernels in the same order, bit-identical) when
+        inference runs over the draft's KV pool (attend.pool) in bf16 on a CPU with the few-row kernel; else None."""
+        a, m = self.self_attn, self.mlp
+        pool = getattr(attend, "pool", None)
+        if pool is None or a.fused is None or self.training or embeds.dtype != torch.bfloat16 or \
+                hidden.dtype != torch.bfloat16 or embeds.device.type != "cpu" or not self.input_layernorm.fast or \
+                self.input_layernorm.weight.dtype != torch.bfloat16 or \
+                embeds.shape[0] * embeds.shape[1] > min(lin.small_m for lin in (*a.fused, *m.fused)):
+            return None
+        ext = kernels.extension()
+        if ext is None or not hasattr(ext, "draft_layer"):
+            return None
+        return ext.draft_layer(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight,
+                               self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                               a.fused[0].small, a.fused[0].out_features, a.fused[1].small, m.fused[0].small,
+                               m.fused[0].out_features, m.fused[1].small, cos.contiguous(), sin.contiguous(),
+                               a.num_heads, a.num_kv_heads, *pool)
 
 
 class RotaryEmbedding(nn.Module):

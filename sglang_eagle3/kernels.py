@@ -53,7 +53,7 @@ class using:
 
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("cpu_ops.cpp", "amx_linear.cpp")        # + linear.h, their shared declarations
+SOURCES = ("cpu_ops.cpp", "amx_linear.cpp", "layers.cpp")        # + ops.h, their shared declarations
 
 
 def build_dir() -> str:

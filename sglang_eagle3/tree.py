@@ -101,7 +101,8 @@ def root_only_tree(root_tokens: torch.Tensor, root_positions: torch.Tensor) -> D
 def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new_mask: torch.Tensor, scale: float):
     """attend(q, k, v) for the draft's single layer: store k/v at write_start.. of each row, attend over the
     row's committed slots plus the uncommitted ones new_mask [B, T, F] allows. attend.qkv(qkv, cos, sin, nH, nKV)
-    does the same from the fused projection with the rotary embedding inside the kernel (the draft's fast path)."""
+    does the same from the fused projection with the rotary embedding inside the kernel, and attend.pool holds
+    these arguments for csrc's whole draft layer (the draft's fast paths)."""
     lens = pool.lens[rows]
 
     def attend(q, k, v):
@@ -111,6 +112,7 @@ def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new
         return K.qkv_attention(qkv, cos, sin, num_heads, num_kv_heads, pool.k[0], pool.v[0], rows, lens,
                                write_start, new_mask, scale)
     attend.qkv = attend_qkv
+    attend.pool = (pool.k[0], pool.v[0], rows, lens, write_start, new_mask.contiguous(), scale)   # csrc's draft_layer
     return attend
 
 

@@ -105,3 +105,48 @@ def test_topk1_is_a_chain_of_num_steps_plus_one():
     tree = grow_tree(draft, cache, torch.arange(1), h, draft.compute_logits(h), torch.tensor([1]), torch.tensor([3]), spec)
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
     assert tree.positions[0].tolist() == [3, 4, 5, 6, 7, 8]
+
+
+def test_fused_draft_layer_equals_the_layer_by_layer_path(monkeypatch):
+    """bf16 draft steps over the pool through csrc's draft_layer (one call per step) give exactly the hidden
+    states, KV entries and trees of the layer-by-layer path: the same kernels in the same order."""
+    import pytest
+    from sglang_eagle3.draft import Eagle3DecoderLayer
+    from sglang_eagle3.kvcache import tree_new_mask
+    from sglang_eagle3.tree import pool_attend
+    tm, _ = tiny_target("llama", dtype=torch.bfloat16)
+    draft = random_draft(tm, draft_vocab_size=48)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:                                   # not all ones: each norm's weight must be its own
+                p.uniform_(0.5, 1.5)
+    draft = draft.to(torch.bfloat16)
+    draft.set_embedding(tm.embed_tokens)
+    draft.prepare_inference()
+    a = draft.midlayer.self_attn
+    if a.fused[0].small is None:
+        pytest.skip("csrc's bf16 few-row kernels are not available on this CPU")
+    B, T, F_ = 2, 3, 3
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(B, T, F_)   # a small tree
+    torch.manual_seed(3)
+    ids = torch.randint(0, tm.vocab_size, (B, T))
+    hidden = torch.randn(B, T, draft.config.hidden_size).to(torch.bfloat16)
+    first = torch.randn(B, draft.config.hidden_size).to(torch.bfloat16)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Eagle3DecoderLayer, "_fused_layer", lambda self, *args: None)
+        cache = KVPool(1, B, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.bfloat16, "cpu")
+        cache.lens[:] = torch.tensor([4, 6])
+        g = torch.Generator().manual_seed(4)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g)), cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        rows = torch.arange(B)
+        positions = cache.lens.view(B, 1) + torch.tensor([0, 1, 1])
+        attend = pool_attend(cache, rows, cache.lens.clone(), tree_new_mask(B, T, "cpu", mask).contiguous(),
+                             draft.config.head_dim ** -0.5)
+        out = draft(ids, hidden, positions, attend=attend, fuse=False)
+        tree = grow_tree(draft, cache, rows, first, draft.compute_logits(first), ids[:, 0], cache.lens.clone(),
+                         SpecConfig(3, 2, 6))
+        results.append((out, cache.k.clone(), cache.v.clone(), tree.tokens, tree.parents))
+    for i, (got, want) in enumerate(zip(*results)):
+        assert torch.equal(got, want), (i, (got.float() - want.float()).abs().max())

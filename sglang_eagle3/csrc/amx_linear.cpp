@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "linear.h"
+#include "ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -21,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-#include "linear.h"
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -664,35 +664,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 #endif
 }
 
-// One decoder layer of a decode or verify step, the same kernels as the step-by-step path in one call (no Python
-// between them). x [B, T, H] is the residual stream, updated in place:
-//   x += delta (when given); captured = a copy of x (when asked, an auxiliary feature); h = RMSNorm(x)
-//   x += o_proj(attention(qkv_proj(h)))  (rotary embedding, KV store and tree mask as qkv_attention)
-//   returns [down(silu(gate) * up)(RMSNorm(x)), captured?]: the next layer's delta.
-std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>& delta, bool capture,
-                                   const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
-                                   const at::Tensor& w_qkv, int64_t n_qkv, const c10::optional<at::Tensor>& b_qkv,
-                                   const at::Tensor& w_o, const c10::optional<at::Tensor>& b_o,
-                                   const at::Tensor& w_gate_up, int64_t n_gate_up, const at::Tensor& w_down,
-                                   const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
-                                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
-                                   const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
-                                   double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "layer_step: x [B, T, H] bf16");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
-  at::Tensor h = delta && delta->defined() ? add_rms_norm(x, *delta, in_norm, eps) : rms_norm(x, in_norm, eps);
-  std::vector<at::Tensor> out;
-  at::Tensor captured = capture ? x.clone() : at::Tensor();
-  at::Tensor qkv = linear_bf16(h.view({M, H}), w_qkv, n_qkv, b_qkv).view({B, T, n_qkv});
-  at::Tensor o = qkv_attention(qkv, cos, sin, nH, nKV, k_cache, v_cache, rows, lens, write_start, new_mask, scale);
-  at::Tensor attn = linear_bf16(o.view({M, o.size(2)}), w_o, H, b_o).view({B, T, H});
-  h = add_rms_norm(x, attn, post_norm, eps);
-  at::Tensor act = silu_and_mul(linear_bf16(h.view({M, H}), w_gate_up, n_gate_up, c10::nullopt));
-  out.push_back(linear_bf16(act, w_down, H, c10::nullopt).view({B, T, H}));
-  if (capture) out.push_back(captured);
-  return out;
-}
-
 // ---- training: soft cross-entropy over the draft vocabulary (TTT's per-step loss) --------------------------
 //
 // loss[i] = logsumexp(z[i]) - <p[rows[i]], z[i]>    (p rows are softmaxes: they sum to 1)
@@ -887,6 +858,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
   m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
   m.def("layer_step", &layer_step, "one decoder layer of a decode/verify step (bf16, packed weights)");
+  m.def("draft_layer", &draft_layer, "the EAGLE-3 draft's decoder layer over its KV pool (bf16, packed weights)");
   m.def("tree_attention", &tree_attention, "attention over a row-indexed KV pool with a tree mask (writes k/v)");
   m.def("qkv_attention", &qkv_attention, "rotary embedding + tree_attention from the fused qkv projection");
   m.def("rms_norm", &rms_norm, "RMSNorm (transformers' rounding)");
