@@ -29,7 +29,7 @@ from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
-from .verify import (Acceptance, SamplingParams, accept_greedy, acceptance_from_lists, target_probs,
+from .verify import (Acceptance, SamplingParams, accept_greedy, acceptance_from_lists, sample_rows, target_probs,
                      verify_sampling)
 
 PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
@@ -195,11 +195,16 @@ class SpecWorker:
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-    """logits [B, V] -> one token per row, each row with its own sampling parameters."""
+    """logits [B, V] -> one token per row, each row with its own sampling parameters and generator (rows that
+    share their parameters are turned into probabilities and sampled together)."""
     out = logits.argmax(-1)
-    for b, (p, g) in enumerate(zip(params, generators)):
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(params):
         if not p.greedy:
-            out[b] = torch.multinomial(target_probs(logits[b], p), 1, generator=g).squeeze(-1)
+            groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
+    for rows in groups.values():
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = sample_rows(target_probs(logits[idx], params[rows[0]]), [generators[b] for b in rows])
     return out
 
 
@@ -208,6 +213,9 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
     """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
     greedy = accept_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1))
     if all(p.greedy for p in params):
+        return greedy
+    if tree.num_nodes == 1:                       # no draft: every row emits one token, sampled rows together
+        greedy.emitted[:, 0] = sample_tokens(logits[:, 0], params, generators)
         return greedy
     paths = [p[:n] for p, n in zip(greedy.path.tolist(), greedy.count.tolist())]
     emitted = [e[:n] for e, n in zip(greedy.emitted.tolist(), greedy.count.tolist())]

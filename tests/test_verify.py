@@ -120,3 +120,29 @@ def test_engine_sampling_matches_target_distribution(biased, monkeypatch):
         assert min(pvals[1:]) < 1e-6, pvals
     else:
         assert min(pvals[1:]) > 1e-3, pvals
+
+
+def test_sample_categorical_draws_the_distribution():
+    """The inverse-CDF sampler: frequencies match p (within 4.5 standard deviations each), zero-probability tokens never
+    come up (also at the edges of the vocabulary), and unnormalised weights are read as their normalised distribution."""
+    from sglang_eagle3.verify import sample_categorical
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 6000
+    counts = torch.zeros(6)
+    for _ in range(n):
+        counts[sample_categorical(p * 7.0, g)] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    sd = (n * p * (1 - p)).sqrt()
+    assert ((counts - n * p).abs() <= 4.5 * sd).all(), counts
+    assert sample_categorical(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    assert sample_categorical(torch.tensor([1.0, 0.0, 0.0]), g) == 0
+
+
+def test_sample_rows_draws_each_row_with_its_own_generator():
+    from sglang_eagle3.verify import sample_rows
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.0, 3.0, 0.0, 1.0]])
+    draws = [sample_rows(probs, [torch.Generator().manual_seed(s) for s in (0, 1, 2)]) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])                         # seeded per row: reproducible
+    seen = torch.stack([sample_rows(probs, [None, None, None]) for _ in range(200)])
+    assert (seen[:, 0] == 2).all() and set(seen[:, 2].tolist()) == {1, 3} and len(set(seen[:, 1].tolist())) == 4
