@@ -58,6 +58,24 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+ROW_BUCKET = 64   # bf16 matrix products on CPU in training: rows padded to a multiple of this (linear_rows)
+
+
+def linear_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x). In bf16 on CPU (autocast, or bf16 under autograd) the rows are zero-padded to a multiple of
+    ROW_BUCKET first and cut after: oneDNN builds a kernel for every new matrix shape (3x a cached shape's time
+    for [~1500, 576] x [576, 8192]), and TTT's row counts change with every batch and step. Zero rows change no
+    product and no gradient."""
+    if x.device.type != "cpu" or not (torch.is_autocast_enabled("cpu") or
+                                      (x.dtype == torch.bfloat16 and torch.is_grad_enabled())):
+        return layer(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    pad = (-x2.shape[0]) % ROW_BUCKET
+    if pad == 0:
+        return layer(x)
+    return layer(F.pad(x2, (0, 0, 0, pad)))[:x2.shape[0]].view(*x.shape[:-1], -1)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -96,12 +114,12 @@ class Eagle3Attention(nn.Module):
             q, k, v = kernels.split_heads(self.fused[0](x), self.num_heads, self.num_kv_heads)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
-            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = linear_rows(self.q_proj, x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            k = linear_rows(self.k_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = linear_rows(self.v_proj, x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # [B, T, nH * D]
-        return self.fused[1](out) if self.fused is not None and not self.training else self.o_proj(out)
+        return self.fused[1](out) if self.fused is not None and not self.training else linear_rows(self.o_proj, out)
 
 
 class Eagle3MLP(nn.Module):
@@ -115,7 +133,7 @@ class Eagle3MLP(nn.Module):
     def forward(self, x):
         if self.fused is not None and not self.training:
             return self.fused[1](kernels.silu_and_mul(self.fused[0](x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear_rows(self.down_proj, F.silu(linear_rows(self.gate_proj, x)) * linear_rows(self.up_proj, x))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -290,7 +308,7 @@ class Eagle3DraftModel(nn.Module):
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         if self._fused_fc is not None and not self.training:
             return self._fused_fc(x)
-        return self.fc(x)
+        return linear_rows(self.fc, x)
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the next draft step reads: the pre-norm output (EAGLE-3) or the normed one (norm_output)."""
@@ -300,7 +318,7 @@ class Eagle3DraftModel(nn.Module):
         """[.., H] -> draft-vocab logits [.., draft_vocab_size]."""
         if self._fused_lm_head is not None and not self.training:
             return self._fused_lm_head(self.norm(hidden))
-        return self.lm_head(self.norm(hidden))
+        return linear_rows(self.lm_head, self.norm(hidden))
 
     # ---- checkpoint ----------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple]:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .draft import linear_rows
 
 FEATURES = ("fused", "top")
 
@@ -221,7 +222,7 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, rows: Optional[tor
 def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
     """last_hidden [..., Ht] (post final norm) -> (p [..., Vd] softmax over the draft vocab, top [...] target ids)."""
     w = lm_head.weight
-    logits = lm_head(last_hidden.to(w.dtype))                    # [..., V] (bf16 under autocast)
+    logits = linear_rows(lm_head, last_hidden.to(w.dtype))      # [..., V] (bf16 under autocast)
     ext = kernels.extension() if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" else None
     if ext is not None:                                          # csrc: one pass per row, no gathered copy
         p, top = ext.target_distribution(logits.reshape(-1, logits.shape[-1]).contiguous(), draft_ids.contiguous())

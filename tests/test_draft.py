@@ -112,3 +112,26 @@ def test_init_draft_cli(tmp_path):
     assert main(["init-draft", "--target", target, "--out", str(tmp_path / "d"), "--draft-vocab-size", "32"]) == 0
     d = Eagle3DraftModel.from_pretrained(str(tmp_path / "d"))
     assert d.config.draft_vocab_size == 32 and d.t2d[:32].all() and not d.t2d[32:].any()
+
+
+def test_linear_rows_pads_bf16_cpu_products_to_a_bucket_and_keeps_values_and_gradients():
+    """bf16 autocast on CPU: the layer sees a multiple of ROW_BUCKET rows (oneDNN reuses its kernel per shape),
+    the caller sees its own rows, and the weight gradient equals the unpadded product's."""
+    from sglang_eagle3.draft import ROW_BUCKET, linear_rows
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40, bias=False)
+    seen = []
+    layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    x = torch.randn(3, 35, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear_rows(layer, x)
+        ref = layer(x)
+    assert seen[0] % ROW_BUCKET == 0 and seen[0] >= 105 and y.shape == ref.shape == (3, 35, 40)
+    assert torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    g = torch.randn(3, 35, 40)
+    (gw,) = torch.autograd.grad((y.float() * g).sum(), layer.weight)
+    (gr,) = torch.autograd.grad((ref.float() * g).sum(), layer.weight)
+    assert torch.allclose(gw, gr, rtol=2e-2, atol=2e-2)
+    seen.clear()
+    linear_rows(layer, x)                                  # fp32 outside autocast: untouched
+    assert seen == [3]
