@@ -17,7 +17,7 @@ $(STAMP): setup.py requirements.txt $(wildcard requirements-*.txt)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	@if [ -f requirements-sglang.txt ]; then $(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements-sglang.txt; fi
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
-	$(BIN)/python -c "from sglang_eagle3 import kernels; s = kernels.status(); print('C++ kernels:', 'built' if s['extension'] else s['extension_error'])"
+	$(BIN)/python -c "from sglang_eagle3 import kernels; s = kernels.status(); print('C++ kernels:', f\"built (few-row linears: {s['few_row_kernel']})\" if s['extension'] else s['extension_error'])"
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create/refresh the project venv (.venv)

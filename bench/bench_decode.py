@@ -127,7 +127,8 @@ def render(res, a) -> str:
                f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default).")
     if "extension" in res:
         e = res["extension"]
-        out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}, "
+        out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}"
+                   f"{' (few-row linears: ' + str(e.get('few_row_kernel')) + ')' if e['built'] else ''}, "
                    f"loaded in {e['load_s']:.2f} s (compiled once into the cache at install; ~20 s the first time)")
     s = res.get("speed")
     if s:

@@ -100,7 +100,9 @@ def extension(build: bool = True):
 def status() -> dict:
     ext = extension()
     return {"mode": _mode, "extension": ext is not None, "extension_error": _ext_error,
-            "packed_linear": _mode != "off" and packing_supported(torch.bfloat16)}
+            "packed_linear": _mode != "off" and packing_supported(torch.bfloat16),
+            "few_row_kernel": ("amx" if amx_active() else "avx512_bf16" if ext.has_bf16_dot() else None)
+            if ext is not None else None}
 
 
 # ---- linear ----------------------------------------------------------------------------------------
