@@ -25,6 +25,7 @@ from sglang_eagle3.prompts import data_dir  # noqa: E402
 
 PARTS = ("speed", "step", "trees", "profile", "llamacpp", "compile", "divergence")
 FALLBACK_DEMO_TREE = SpecConfig(3, 2, 6)
+STEP_RUNTIMES = ("eager", "fused", "fused-avx512")     # the last: on AMX CPUs, the AVX-512 BF16 kernel beside it
 
 
 def demo_tree(draft) -> SpecConfig:
@@ -124,7 +125,8 @@ def render(res, a) -> str:
     out, checks = [], []
     m = res["meta"]
     out.append(f"Target {m['target']}, {m['dtype']}, batch 1, {m['threads']} threads. eager = plain PyTorch "
-               f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default).")
+               f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default); fused-avx512 (CPUs with AMX) = "
+               f"the same with the AVX-512 BF16 few-row kernel instead of AMX tiles.")
     if "extension" in res:
         e = res["extension"]
         out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}"
@@ -154,11 +156,11 @@ def render(res, a) -> str:
     st = res.get("step")
     if st:
         rows = [[n, _ms(st[n]["step_s"]), f"{st['weight_bytes'] / 1e6:.0f}", f"{st['read_bandwidth_gbs']:.1f}",
-                 _ms(st["floor_s"]), f"{st[n]['step_over_floor']:.2f}x"] for n in ("eager", "fused")]
+                 _ms(st["floor_s"]), f"{st[n]['step_over_floor']:.2f}x"] for n in STEP_RUNTIMES if n in st]
         out += ["", f"One decode step at context {st['context']} vs its memory floor (weight bytes / read bandwidth)",
                 format_table(["runtime", "step ms", "weight MB", "read GB/s", "floor ms", "step / floor"], rows)]
         sizes = list(st["fused"]["verify_relative"])
-        rows = [[n] + [f"{st[n]['verify_relative'][T]:.2f}" for T in sizes] for n in ("eager", "fused")]
+        rows = [[n] + [f"{st[n]['verify_relative'][T]:.2f}" for T in sizes] for n in STEP_RUNTIMES if n in st]
         out += ["", "Verify forward over T tokens, cost relative to T = 1",
                 format_table(["runtime"] + [f"T={T}" for T in sizes], rows)]
         checks.append(("decode step <= 2x its floor", st["fused"]["step_over_floor"] <= 2.0,
@@ -227,7 +229,7 @@ def plot(res, path):
         axes[0].set(ylabel="tokens/s (median)", title="Vanilla decode, batch 1")
     st = res.get("step")
     if st:
-        for n in ("eager", "fused"):
+        for n in (n for n in STEP_RUNTIMES if n in st):
             sizes = [int(T) for T in st[n]["verify_relative"]]
             axes[1].plot(sizes, list(st[n]["verify_relative"].values()), marker="o", label=n)
         axes[1].set(xscale="log", xlabel="tokens in the verify forward", ylabel="cost / one-token forward",

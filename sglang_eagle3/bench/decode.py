@@ -60,10 +60,17 @@ class Runtimes:
         with kernels.using("off"):
             self.eager = TargetModel(self.hf, tok)
         self.fused = TargetModel(self.hf, tok)
-        self.mode = {"eager": "off", "fused": "auto"}
+        self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto"}
+        self.fused_avx512 = None                # on an AMX CPU: the AVX-512 BF16 kernel too, side by side
+        if kernels.amx_active():
+            with kernels.using_amx(False):
+                self.fused_avx512 = TargetModel(self.hf, tok)
 
     def target(self, name: str) -> TargetModel:
-        return self.eager if name == "eager" else self.fused
+        return {"eager": self.eager, "fused": self.fused, "fused-avx512": self.fused_avx512}[name]
+
+    def step_runtimes(self) -> list[str]:
+        return ["eager", "fused"] + (["fused-avx512"] if self.fused_avx512 is not None else [])
 
 
 def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:
@@ -139,7 +146,7 @@ def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) 
     bw = read_bandwidth_gbs()
     nbytes = rt.fused.weight_bytes()
     out = {"read_bandwidth_gbs": bw, "weight_bytes": nbytes, "floor_s": nbytes / (bw * 1e9), "context": context}
-    for name in ("eager", "fused"):
+    for name in rt.step_runtimes():
         with kernels.using(rt.mode[name]):
             cost = {T: time_forward(rt.target(name), context, T, repeats) for T in tree_sizes}
         out[name] = {"step_s": cost[1], "floor_over_step": out["floor_s"] / cost[1],
