@@ -243,14 +243,17 @@ class SpecProfile:
     """Tree shape (or no speculation) per running batch size, from bench/tune_spec.py's profile JSON.
 
     A batch size without its own entry uses the largest measured one below it (the smallest above it if
-    none is below), the routing SGLang applies to its adaptive config."""
+    none is below), the routing SGLang applies to its adaptive config. A profile may also hold a table measured
+    with sampling (`sampled`: tune_spec --temperature T --sampled-into PROFILE); steps with a sampling request
+    use it (sampled acceptance is lower, so its best tree is shallower)."""
 
     def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
-                 fastest: Optional[dict[int, SpecConfig]] = None):
+                 fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
         self.fastest = dict(fastest or {})    # batch size -> fastest measured tree where vanilla won
+        self.sampled = sampled                # the table for steps with a sampling request, or None
 
     @classmethod
     def load(cls, path: str) -> "SpecProfile":
@@ -262,6 +265,15 @@ class SpecProfile:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         table = prof.get("per_batch_size") if isinstance(prof, dict) else None
+        sampled = prof.get("sampled") if isinstance(prof, dict) else None
+        if sampled is not None:
+            if not isinstance(sampled, dict):
+                raise ConfigError(f"{path}: 'sampled' must be an object with its own 'per_batch_size'")
+            sampled = cls._from_table(sampled.get("per_batch_size"), f"{path} (sampled)")
+        return cls._from_table(table, path, sampled)
+
+    @classmethod
+    def _from_table(cls, table, path: str, sampled: Optional["SpecProfile"] = None) -> "SpecProfile":
         if not isinstance(table, dict) or not table or not all(str(k).isdigit() for k in table):
             raise ConfigError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
         out, fastest = {}, {}
@@ -280,7 +292,7 @@ class SpecProfile:
                 out[int(k)] = SpecConfig(int(entry["num_steps"]), int(entry["topk"]), int(entry["num_draft_tokens"]))
             except (KeyError, TypeError, ValueError, ConfigError) as e:
                 raise ConfigError(f"{path}: per_batch_size[{k}]: not a valid tree ({e})") from None
-        return cls(out, path, fastest)
+        return cls(out, path, fastest, sampled)
 
     def _key(self, batch_size: int) -> int:
         if batch_size < 1:
@@ -289,14 +301,19 @@ class SpecProfile:
         below = [k for k in keys if k <= batch_size]
         return below[-1] if below else keys[0]
 
-    def for_batch_size(self, batch_size: int) -> Optional[SpecConfig]:
-        """The tree to run at this batch size, or None where vanilla decoding measured faster."""
+    def for_batch_size(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
+        """The tree to run at this batch size, or None where vanilla decoding measured faster; sampled: a step
+        with a sampling request (the sampled table where the profile has one)."""
+        if sampled and self.sampled is not None:
+            return self.sampled.for_batch_size(batch_size)
         return self.table[self._key(batch_size)]
 
-    def measured_tree(self, batch_size: int) -> Optional[SpecConfig]:
+    def measured_tree(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
         """The tree to measure speculation with: the chosen one, else the fastest tree tried (vanilla won)."""
+        if sampled and self.sampled is not None:
+            return self.sampled.measured_tree(batch_size)
         key = self._key(batch_size)
         return self.table[key] or self.fastest.get(key)
 
     def trees(self) -> list[SpecConfig]:
-        return [t for t in self.table.values() if t is not None]
+        return [t for t in self.table.values() if t is not None] + (self.sampled.trees() if self.sampled else [])

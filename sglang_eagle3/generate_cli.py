@@ -93,8 +93,9 @@ def resolve_spec(a, draft: str | None, batch_size: int = 1):
     profile = None if explicit else draft_profile(draft)
     base, source = SpecConfig(), "default tree"
     if profile is not None:
-        tuned, measured = profile.for_batch_size(batch_size), profile.measured_tree(batch_size)
-        source = f"{profile.source} (batch {batch_size}: " + (
+        sampled = (getattr(a, "temperature", None) or 0) > 0 and profile.sampled is not None
+        tuned, measured = profile.for_batch_size(batch_size, sampled), profile.measured_tree(batch_size, sampled)
+        source = f"{profile.source} ({'sampled, ' if sampled else ''}batch {batch_size}: " + (
             "tuned" if tuned is not None else "vanilla measured faster; its fastest tree" if measured is not None
             else "no speculation; default tree") + ")"
         base = measured or base

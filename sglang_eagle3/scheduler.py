@@ -162,10 +162,12 @@ class Scheduler:
                 "max_running": self.max_running}
 
     # ---- the loop ------------------------------------------------------------------------------
-    def spec_for(self, batch_size: int) -> Optional[SpecConfig]:
+    def spec_for(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
+        """The step's tree: the profile's for this many running requests (its sampled table when one of them
+        samples), else the fixed tree."""
         if self.draft is None:
             return None
-        return self.profile.for_batch_size(batch_size) if self.profile else self.spec
+        return self.profile.for_batch_size(batch_size, sampled) if self.profile else self.spec
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""
@@ -177,7 +179,8 @@ class Scheduler:
         active = [r for r in self.running if not r.finished]
         if active:
             res = self.worker.step([r.row for r in active], [r.params for r in active],
-                                   [r.generator for r in active], self.spec_for(len(active)))
+                                   [r.generator for r in active],
+                                   self.spec_for(len(active), any(not r.params.greedy for r in active)))
             self.stats.steps += 1
             self.stats.times.add(res.times)
             for req, tokens in zip(active, res.emitted):

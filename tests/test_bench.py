@@ -499,3 +499,24 @@ def test_learning_curve_trend_extrapolates_the_later_half():
     assert flat["tokens_for_goal"] is None and "does not rise" in trend_text({"b": flat}, 3.0)
     few = trend(pts[:2], "a", 3.0)
     assert few["points_fitted"] == 2 and "gain_per_doubling" not in few and "too few" in trend_text({"a": few}, 3.0)
+
+
+def test_tune_sampled_into_a_greedy_profile(env, tmp_path, capsys):
+    """--sampled-into PROFILE adds the sampled run's best trees to PROFILE (the rest unchanged); without
+    --temperature > 0, or with no such profile, it is refused in one line before anything is measured."""
+    greedy = tmp_path / "prof.json"
+    base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
+            "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
+            "--num-draft-tokens-grid", "2,3", "--threads", "1"]
+    assert tune_main(base + ["--out", str(greedy)]) == 0
+    before = json.loads(greedy.read_text())
+    assert tune_main(base + ["--out", str(tmp_path / "t1.json"), "--sampled-into", str(greedy)]) == 2
+    assert "--sampled-into needs --temperature" in capsys.readouterr().err
+    assert tune_main(base + ["--out", str(tmp_path / "t1.json"), "--temperature", "1",
+                             "--sampled-into", str(tmp_path / "none.json")]) == 2
+    assert "no such profile" in capsys.readouterr().err
+    assert tune_main(base + ["--out", str(tmp_path / "t1.json"), "--temperature", "1", "--sampled-into", str(greedy)]) == 0
+    after = json.loads(greedy.read_text())
+    sampled = json.loads((tmp_path / "t1.json").read_text())
+    assert after["per_batch_size"] == before["per_batch_size"]
+    assert after["sampled"]["per_batch_size"] == sampled["per_batch_size"] and after["sampled"]["temperature"] == 1.0

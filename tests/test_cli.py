@@ -226,3 +226,46 @@ def test_bad_inputs_are_one_line_errors(case, folders, tmp_path, capsys):
     if case in ("truncated-draft", "nan-draft"):
         with pytest.raises(Exception):                          # --debug: the traceback
             main(["--debug", *args])
+
+
+def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_path):
+    """A profile with a table measured with sampling: sampled requests (the CLI at --temperature > 0, a scheduler
+    step with a sampling request) take its tree, greedy ones the greedy tree; a profile without one, the greedy
+    tree for both; a malformed one is refused naming 'sampled'."""
+    import shutil
+    import torch
+    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile
+    from sglang_eagle3.engine import SpeculativeEngine
+    from sglang_eagle3.generate_cli import load_draft
+    from sglang_eagle3.target import TargetModel
+    from sglang_eagle3.verify import SamplingParams
+    target, draft, _ = folders
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    path = tuned / "spec_profile.json"
+    path.write_text(json.dumps({"per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}},
+                                "sampled": {"temperature": 1.0, "per_batch_size": {
+                                    "1": {"num_steps": 1, "topk": 2, "num_draft_tokens": 3},
+                                    "4": {"speculation": False}}}}))
+    prof = SpecProfile.load(str(path))
+    assert prof.for_batch_size(1) == SpecConfig(3, 2, 6) and prof.for_batch_size(1, sampled=True) == SpecConfig(1, 2, 3)
+    assert prof.for_batch_size(8, sampled=True) is None and SpecConfig(1, 2, 3) in prof.trees()
+    common = ["--target", target, "--prompt", "w1 w2", "--max-new-tokens", "4", "--draft", str(tuned)]
+    t = run_json(capsys, *common, "--temperature", "1", "--seed", "0")["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (1, 2, 3) and "sampled" in t["source"]
+    t = run_json(capsys, *common)["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (3, 2, 6)
+    tm = TargetModel.from_pretrained(target)
+    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), SpecConfig(3, 2, 6), prof)
+    sched = eng.scheduler(4, 64)
+    assert sched.spec_for(1) == SpecConfig(3, 2, 6) and sched.spec_for(1, sampled=True) == SpecConfig(1, 2, 3)
+    seen = []
+    step = sched.worker.step
+    sched.worker.step = lambda rows, params, gens, spec: seen.append(spec) or step(rows, params, gens, spec)
+    eng.generate(["w1 w2"], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))
+    eng.generate(["w1 w2"], SamplingParams(max_new_tokens=3))
+    assert SpecConfig(1, 2, 3) in seen and seen[-1] == SpecConfig(3, 2, 6)
+    path.write_text(json.dumps({"per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}},
+                                "sampled": [1]}))
+    with pytest.raises(ConfigError, match="sampled"):
+        SpecProfile.load(str(path))

@@ -16,6 +16,7 @@ SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglan
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -272,7 +273,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON; .grid.json/.md/.png are written next to it")
     p.add_argument("--adaptive-out", default=None, help="SGLang adaptive config (default PROFILE.sglang_adaptive.json)")
     p.add_argument("--fresh", action="store_true", help="drop the measurements already in PROFILE.grid.json")
+    p.add_argument("--sampled-into", default=None, metavar="PROFILE",
+                   help="with --temperature > 0: also store this run's best trees in PROFILE (a greedy profile) as "
+                        "its table for sampling requests ('sampled'), which the engine and server then use")
     return p
+
+
+def add_sampled_table(path: str, best: dict, setup: dict, grid_path: str) -> None:
+    """PROFILE['sampled'] = this (sampled) run's best trees; the rest of PROFILE stays as it is."""
+    from ..config import SpecProfile
+    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
+    with open(path) as f:
+        prof = json.load(f)
+    prof["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], "dataset": setup["dataset"],
+                       "max_new_tokens": setup["max_new_tokens"], "grid": os.path.abspath(grid_path),
+                       "per_batch_size": best}
+    report.write_json_atomic(path, prof)
 
 
 def _load_grid(path: str, setup: dict, fresh: bool) -> list[dict]:
@@ -312,6 +328,10 @@ def run(argv=None) -> int:
     for flag, v, lo in (("--n", a.n, 1), ("--repeats", a.repeats, 1), ("--min-speedup", a.min_speedup, 0)):
         if v < lo:
             raise UserError(f"{flag} must be >= {lo}, got {v}")
+    if a.sampled_into is not None and a.temperature <= 0:
+        raise UserError("--sampled-into needs --temperature > 0 (it stores a table for sampling requests)")
+    if a.sampled_into is not None and not os.path.isfile(a.sampled_into):
+        raise UserError(f"--sampled-into {a.sampled_into}: no such profile (write the greedy one first)")
     if not 0 <= a.adaptive_tolerance < 1:
         raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
     if a.threads:
@@ -365,6 +385,8 @@ def run(argv=None) -> int:
                "launch_flags": launch_flags(best, os.path.abspath(adaptive_path), adaptive),
                "meta": report.run_metadata()}
     report.write_json_atomic(a.out, profile)
+    if a.sampled_into is not None:
+        add_sampled_table(a.sampled_into, best, setup, grid_path)
     text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
@@ -379,7 +401,8 @@ def run(argv=None) -> int:
     png = plot_grid(rows, best, report.sibling(a.out, ".png"))
     print(text)
     print(f"wrote {os.path.abspath(a.out)}\n      {grid_path}\n      {md}\n      {png}"
-          + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})"))
+          + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})")
+          + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else ""))
     return 0
 
 
