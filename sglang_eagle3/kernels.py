@@ -197,6 +197,12 @@ def _use_ext(*tensors) -> bool:
         and tensors[0].dtype in _EXT_DTYPES
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), the first maximum on ties. On CPU torch's bf16 argmax is 3-5x slower than max(-1) (same
+    indices: the first maximum), and a cast to fp32 first costs a copy of x; fp32 argmax is the faster one."""
+    return x.max(-1).indices if x.dtype == torch.bfloat16 else x.argmax(-1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ext = extension()
     if ext is not None and _use_ext(x, weight):

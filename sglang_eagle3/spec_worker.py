@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import record_function
 
+from . import kernels as K
 from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
@@ -197,7 +198,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """logits [B, V] -> one token per row, each row with its own sampling parameters and generator (rows that
     share their parameters are turned into probabilities and sampled together)."""
-    out = logits.argmax(-1)
+    out = K.argmax(logits)
     groups: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
         if not p.greedy:
@@ -211,7 +212,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
 def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
            generators: list[Optional[torch.Generator]]) -> Acceptance:
     """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
-    greedy = accept_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1))
+    greedy = accept_greedy(tree.tokens, tree.parents, tree.mask, K.argmax(logits))
     if all(p.greedy for p in params):
         return greedy
     if tree.num_nodes == 1:                       # no draft: every row emits one token, sampled rows together

@@ -28,7 +28,7 @@ PREFILL_T = 64          # more new tokens per row than this: the SDPA prefill pa
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor              # [B, T or K, vocab] fp32
+    logits: torch.Tensor              # [B, T or K, vocab] in the target's dtype (a cast to fp32 is exact)
     aux_hidden_states: torch.Tensor   # [B, T, n_aux * H]: HF output_hidden_states[id + 1] per aux id, concatenated
     last_hidden: torch.Tensor         # [B, T, H]: after the final norm (logits = lm_head(last_hidden))
 
@@ -174,7 +174,7 @@ class TargetModel(nn.Module):
         h = last if logit_index is None else torch.gather(last, 1, logit_index.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
         captured[self.num_layers] = last            # id L-1: HF's last hidden state, after the norm ('top' ablation)
         aux_t = torch.cat([captured[i + 1] for i in self.aux_layer_ids], dim=-1) if want_aux else None
-        return TargetOutput(self.lm_head_packed(h).float(), aux_t, last)
+        return TargetOutput(self.lm_head_packed(h), aux_t, last)
 
     def _attention(self, cache: KVPool, rows, T, tree_mask, num_new):
         """attend(layer index, layer, qkv [B, T, W], cos, sin) -> [B, T, nH * D] for this forward: the pool kernel

@@ -127,10 +127,6 @@ class TTTAttention:
         return out.reshape(B, nH, Lq, D)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), the first maximum on ties. On CPU, torch's bf16 argmax is 3-5x slower than max(-1)
-    (same indices: first maximum) and was 9% of a TTT row; fp32 argmax is the faster one."""
-    return x.max(-1).indices if x.dtype == torch.bfloat16 else x.argmax(-1)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -227,7 +223,7 @@ def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids
     if ext is not None:                                          # csrc: one pass per row, no gathered copy
         p, top = ext.target_distribution(logits.reshape(-1, logits.shape[-1]).contiguous(), draft_ids.contiguous())
         return p.view(*logits.shape[:-1], -1), top.view(logits.shape[:-1])
-    top = _argmax(logits)                                        # a cast to fp32 is exact: same argmax
+    top = kernels.argmax(logits)                                        # a cast to fp32 is exact: same argmax
     return logits[..., draft_ids].to(_wide(logits.dtype)).softmax(-1), top
 
 
@@ -247,7 +243,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
                 feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True,
-                row_lengths: Optional[list[int]] = None, grow_every_chain: bool = False) -> TTTOutput:
+                row_lengths: Optional[list[int]] = None, grow_every_chain: Optional[bool] = None) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
@@ -263,7 +259,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     loss: the same loss and gradients as the rows run one by one and averaged (gradient accumulation), with
     R times larger matrix products.
     Steps k >= 1 grow only the chains some later step scores (chains_to_grow: a chain ending in a prompt is
-    dropped after step 0); grow_every_chain=True grows all of them (the same loss, more work; for measuring).
+    dropped after step 0); grow_every_chain=True grows all of them (the same loss, more FLOPs, no gathers);
+    None: grow_every_chain_default(device).
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -297,6 +294,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     step_loss, step_correct, step_count = [], [], []
     alive = None                                                           # [B, T_k] chain still accepted
     accept_sum, accept_count = zero.clone(), zero.clone()
+    if grow_every_chain is None:
+        grow_every_chain = grow_every_chain_default(dev)
     grown = chains_to_grow(torch.ones_like(needed) if grow_every_chain else needed, ttt_length)   # step k's bases
     for k in range(ttt_length):
         n = T - k - 1                                                      # base positions with a token x_{t+k+1}
@@ -337,7 +336,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
             total = total + feature_loss_weight * feat_loss
         with torch.no_grad():
             ok = torch.zeros_like(sel)                                     # [B, T_k] draft's pick == target's
-            ok[sel] = draft_ids[_argmax(logits)] == top[:, k + 1:][:, pick][sel]
+            ok[sel] = draft_ids[kernels.argmax(logits)] == top[:, k + 1:][:, pick][sel]
             step_loss.append(loss_k.detach())
             step_correct.append((ok & v).sum().float())
             step_count.append(v.sum().float())
@@ -348,6 +347,14 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
         hidden = draft.next_hidden(h)                                       # EAGLE-3.1: normed
     return TTTOutput(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count),
                      accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
+
+
+def grow_every_chain_default(device: torch.device) -> bool:
+    """Whether TTT's later steps grow every chain by default: on CPUs with AMX (oneDNN's tile kernels make the
+    extra matrix products cheap, and selecting the scored chains costs gathers and scatters that do not get
+    faster; bench_trainer: packed bf16 936 vs 746 tokens/s) yes; elsewhere (AVX-512 CPUs, GPUs) only the
+    chains a later step scores (1.13x faster than every chain on a 2-core AVX-512 BF16 CPU)."""
+    return device.type == "cpu" and "amx_bf16" in kernels._cpu_flags()
 
 
 def chains_to_grow(needed: torch.Tensor, ttt_length: int) -> list[Optional[torch.Tensor]]:

@@ -121,7 +121,8 @@ def assert_matches_naive(draft, lm_head, d, **kw):
     -> (TTTOutput, naive counters, naive gradients)."""
     out = efficient(draft, lm_head, d, **kw)
     g_fast = grads(draft, out.loss)
-    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, **kw)
+    ref_loss, ref_steps, ref_counters = naive_ttt(draft, lm_head, d, **{k: v for k, v in kw.items()
+                                                                         if k != "grow_every_chain"})
     g_ref = grads(draft, ref_loss)
     torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
@@ -148,15 +149,33 @@ def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset
         assert out.feature_loss is not None and out.feature_loss > 0
 
 
+@pytest.mark.parametrize("grow_every_chain", [False, True])
 @pytest.mark.parametrize("offset,eagle31", [(1, False), (0, False), (1, True)])
-def test_chains_no_later_step_scores_are_not_grown(offset, eagle31):
-    """A second prompt inside the rows: the chains that end in it are dropped after step 0 and the loss,
-    counters and gradients still equal the naive drafting's."""
+def test_chains_no_later_step_scores_are_not_grown(offset, eagle31, grow_every_chain):
+    """A second prompt inside the rows: the chains that end in it are dropped after step 0 (or, with
+    grow_every_chain, grown for nothing) and the loss, counters and gradients still equal the naive drafting's."""
     draft, lm_head, d = make_setup(T=18, gap=(7, 13), eagle31=eagle31)
     grown = chains_to_grow(d["loss_mask"].bool() & d["attention_mask"].bool(), K)
     assert grown[0] is None and all(len(grown[k]) < 18 - k - 1 for k in range(1, K))   # some chains dropped
     assert grown[1].tolist() == [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 15]  # 5-8: steps 1-3 land in the gap
-    assert_matches_naive(draft, lm_head, d, loss_mask_offset=offset)
+    assert_matches_naive(draft, lm_head, d, loss_mask_offset=offset, grow_every_chain=grow_every_chain)
+
+
+def test_grow_every_chain_default_follows_the_cpu(monkeypatch):
+    """auto: every chain on CPUs with AMX, the scored chains elsewhere; the trainer's --grow-chains picks either."""
+    from sglang_eagle3 import kernels, ttt
+    import argparse
+    from sglang_eagle3.trainer.cli import add_train_args, train_config
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert ttt.grow_every_chain_default(torch.device("cpu"))
+    assert not ttt.grow_every_chain_default(torch.device("cuda"))
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx512f avx512_bf16")
+    assert not ttt.grow_every_chain_default(torch.device("cpu"))
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    base = ["--target", "t", "--data", "d", "--out", "o"]
+    assert train_config(p.parse_args(base)).grow_chains == "auto"
+    assert train_config(p.parse_args(base + ["--grow-chains", "scored"])).grow_chains == "scored"
 
 
 class CausalOverAllSteps(TTTAttention):

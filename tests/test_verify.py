@@ -146,3 +146,16 @@ def test_sample_rows_draws_each_row_with_its_own_generator():
     assert torch.equal(draws[0], draws[1])                         # seeded per row: reproducible
     seen = torch.stack([sample_rows(probs, [None, None, None]) for _ in range(200)])
     assert (seen[:, 0] == 2).all() and set(seen[:, 2].tolist()) == {1, 3} and len(set(seen[:, 1].tolist())) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_takes_the_first_maximum_like_fp32_argmax(dtype):
+    """Greedy picks read the target's logits in its own dtype (kernels.argmax): on ties (common in bf16) the
+    first maximum wins, exactly as argmax over the fp32 cast that transformers' greedy decoding takes."""
+    from sglang_eagle3 import kernels
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 3, 4096, generator=g) * 2).round().to(dtype)          # many exact ties per row
+    x[0, 0, :] = 0                                                              # a row of nothing but ties
+    got = kernels.argmax(x)
+    assert torch.equal(got, x.float().argmax(-1))
+    assert int(got[0, 0]) == 0

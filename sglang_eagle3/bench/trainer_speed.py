@@ -6,8 +6,9 @@ step. Reported: tokens/s per precision (median over alternated rounds), model FL
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
 configuration (fp32, the plain log_softmax loss, every chain grown) and the "after" one (bf16 autocast, the fused loss), and
 of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
-configuration runs three times: as the trainer does (csrc's loss kernels, only the chains a later step scores
-grown), with every chain grown at every step, and with that and the loss in PyTorch ops. Model FLOPs count the
+configuration runs three times: with csrc's loss kernels and only the chains a later step scores grown, with every
+chain grown at every step (the trainer's --grow-chains auto picks this one on CPUs with AMX, the first elsewhere),
+and with every chain and the loss in PyTorch ops. Model FLOPs count the
 work each configuration does (fewer chains grown: fewer FLOPs for the same tokens).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None, grow_every_chain: bo
     """Model FLOPs of one TTT row of T tokens (forward + backward = 3x forward for trained weights; the
     target's full-vocabulary head, forward only). needed [T] bool: the positions whose target distribution
     and draft logits are computed (the assistant tokens; default all): the heads run only there, and steps
-    k >= 1 grow only the chains a later step scores (ttt.chains_to_grow), as the trainer does."""
+    k >= 1 grow only the chains a later step scores (ttt.chains_to_grow; --grow-chains scored)."""
     H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     needed = np.ones(T, dtype=bool) if needed is None else np.asarray(needed, dtype=bool)

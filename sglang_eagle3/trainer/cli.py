@@ -114,6 +114,9 @@ def add_train_args(p) -> None:
     g.add_argument("--loss-mask-offset", type=int, choices=[0, 1], default=1,
                    help="step k at base position t is scored where loss_mask[t+k+OFFSET] is set: 1 (default) scores "
                         "exactly the chains the engine drafts; 0 is the EAGLE-3 authors' and SpecForge's convention")
+    g.add_argument("--grow-chains", choices=["auto", "scored", "all"], default="auto",
+                   help="steps >= 1 grow only the chains a later step scores (scored) or every chain (all); the "
+                        "same loss and gradients, different speed. auto (default): all on CPUs with AMX, else scored")
     g.add_argument("--max-length", type=int, default=2048, help="tokens per row (longer rows are truncated)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--micro-batch-size", type=int, default=1, help="rows per rank per forward")
@@ -181,6 +184,7 @@ def train_config(args):
         draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
         aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features, init_from=args.init_from,
         fc_norm=args.fc_norm, norm_output=args.norm_output, loss_mask_offset=args.loss_mask_offset,
+        grow_chains=args.grow_chains,
         overwrite=args.overwrite,
         feature_loss_weight=args.feature_loss_weight, head_init=args.head_init, ttt_length=args.ttt_length, step_decay=args.step_decay,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,

@@ -57,6 +57,7 @@ class TrainConfig:
     fc_norm: bool = False                    # EAGLE-3.1 per-feature RMSNorm before fc
     norm_output: bool = False                # EAGLE-3.1: later TTT steps read the normed output
     loss_mask_offset: int = 1                # 1: ours (t+k+1); 0: the authors' / SpecForge's (t+k)
+    grow_chains: str = "auto"                # TTT steps >= 1 grow: scored (only chains a later step scores) | all | auto
     aux_layer_ids: Optional[list] = None
     features: str = "fused"
     feature_loss_weight: float = 0.0
@@ -276,7 +277,8 @@ class Trainer:
         lm_head.requires_grad_(False)
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
                                 step_decay=cfg.step_decay, features=cfg.features,
-                                feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset)
+                                feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset,
+                                grow_every_chain={"auto": None, "all": True, "scored": False}[cfg.grow_chains])
 
     def _setup_backend(self) -> None:
         cfg = self.cfg
