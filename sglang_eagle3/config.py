@@ -233,6 +233,16 @@ class SpecConfig:
 PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
 
 
+def host_kind(device: str = "cpu") -> str:
+    """The kind of machine a speculation profile's per-host tables ('by_host') are keyed by: 'cuda' on GPUs, else
+    the CPU's few-row kernel ('amx' or 'avx512_bf16', kernels.status()) or 'cpu'. The best tree follows from what
+    a wider verify costs, and that differs by kind (AMX tiles verify 8 tokens for ~1.2x a 1-token step)."""
+    if str(device).startswith("cuda"):
+        return "cuda"
+    from . import kernels
+    return kernels.status().get("few_row_kernel") or "cpu"
+
+
 def draft_profile_path(draft: Optional[str]) -> Optional[str]:
     """The speculation profile stored with a draft folder (spec_profile.json from tune_spec.py), if it has one."""
     path = os.path.join(draft, "spec_profile.json") if draft and draft != "none" else None
@@ -248,15 +258,19 @@ class SpecProfile:
     use it (sampled acceptance is lower, so its best tree is shallower)."""
 
     def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
-                 fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None):
+                 fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None,
+                 host: Optional[str] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
         self.fastest = dict(fastest or {})    # batch size -> fastest measured tree where vanilla won
         self.sampled = sampled                # the table for steps with a sampling request, or None
+        self.host = host                      # the by_host entry these tables came from (None: the profile's own)
 
     @classmethod
-    def load(cls, path: str) -> "SpecProfile":
+    def load(cls, path: str, host: Optional[str] = None) -> "SpecProfile":
+        """The profile's tables; where it holds tables measured on this kind of host (by_host[host_kind()], or
+        by_host[host]), those: tune_spec --host-table-into PROFILE adds them."""
         if not os.path.isfile(path):
             raise ConfigError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
         try:
@@ -266,11 +280,24 @@ class SpecProfile:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         table = prof.get("per_batch_size") if isinstance(prof, dict) else None
         sampled = prof.get("sampled") if isinstance(prof, dict) else None
+        by_host = prof.get("by_host") if isinstance(prof, dict) else None
+        source, kind = path, None
+        if by_host is not None:
+            if not isinstance(by_host, dict) or not all(isinstance(v, dict) for v in by_host.values()):
+                raise ConfigError(f"{path}: 'by_host' must map a host kind to an object with its own 'per_batch_size'")
+            kind = host or host_kind()
+            if kind in by_host:
+                entry = by_host[kind]
+                table, sampled, source = entry.get("per_batch_size"), entry.get("sampled", sampled), f"{path} [{kind}]"
+            else:
+                kind = None
         if sampled is not None:
             if not isinstance(sampled, dict):
-                raise ConfigError(f"{path}: 'sampled' must be an object with its own 'per_batch_size'")
-            sampled = cls._from_table(sampled.get("per_batch_size"), f"{path} (sampled)")
-        return cls._from_table(table, path, sampled)
+                raise ConfigError(f"{source}: 'sampled' must be an object with its own 'per_batch_size'")
+            sampled = cls._from_table(sampled.get("per_batch_size"), f"{source} (sampled)")
+        profile = cls._from_table(table, source, sampled)
+        profile.host = kind
+        return profile
 
     @classmethod
     def _from_table(cls, table, path: str, sampled: Optional["SpecProfile"] = None) -> "SpecProfile":

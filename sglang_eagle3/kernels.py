@@ -8,6 +8,9 @@
   the row-indexed KV pool (no gather, no slicing copies, each row attends over its own length), RMSNorm,
   residual add + RMSNorm, SiLU * up; and for training, TTT's soft cross-entropy and the target's
   distribution over the draft vocabulary (one pass per row; dispatched from ttt.py, twins there).
+- `csrc/tree_ops.cpp`: the draft tree's bookkeeping as one call each (tree.build_draft_tree, the per-level
+  `topk_logprobs`, verify.accept_greedy_logits): at batch 1 those small tensor ops cost more than the draft's
+  levels themselves.
 
 `set_mode("off")` (or EAGLE3_KERNELS=off) uses the PyTorch twins everywhere: the eager reference.
 If the extension cannot be built (no compiler), the twins are used and `status()` says why.
@@ -53,7 +56,7 @@ class using:
 
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("cpu_ops.cpp", "amx_linear.cpp", "layers.cpp")        # + ops.h, their shared declarations
+SOURCES = ("cpu_ops.cpp", "amx_linear.cpp", "layers.cpp", "tree_ops.cpp")        # + ops.h, their shared declarations
 
 
 def build_dir() -> str:
@@ -201,6 +204,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), the first maximum on ties. On CPU torch's bf16 argmax is 3-5x slower than max(-1) (same
     indices: the first maximum), and a cast to fp32 first costs a copy of x; fp32 argmax is the faster one."""
     return x.max(-1).indices if x.dtype == torch.bfloat16 else x.argmax(-1)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of log_softmax(logits.float()) over the last dim (fp32 [..., k], larger first) and their
+    indices. On CPU one pass of the extension (ties: the smaller index first); elsewhere the PyTorch ops."""
+    ext = extension()
+    if ext is not None and logits.device.type == "cpu" and logits.dtype in _EXT_DTYPES:
+        vals, ids = ext.topk_logprobs(logits, k)
+        return vals, ids
+    return topk_logprobs_ref(logits, k)
+
+
+def topk_logprobs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, ids = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    return vals, ids
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

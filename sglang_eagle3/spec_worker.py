@@ -30,7 +30,7 @@ from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
-from .verify import (Acceptance, SamplingParams, accept_greedy, acceptance_from_lists, sample_rows, target_probs,
+from .verify import (Acceptance, SamplingParams, accept_greedy_logits, acceptance_from_lists, sample_rows, target_probs,
                      verify_sampling)
 
 PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
@@ -212,7 +212,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
 def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
            generators: list[Optional[torch.Generator]]) -> Acceptance:
     """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
-    greedy = accept_greedy(tree.tokens, tree.parents, tree.mask, K.argmax(logits))
+    greedy = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
     if all(p.greedy for p in params):
         return greedy
     if tree.num_nodes == 1:                       # no draft: every row emits one token, sampled rows together

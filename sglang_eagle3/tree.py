@@ -7,7 +7,8 @@ Step 1 uses the draft's output from the extend over the target's fused features;
 runs the draft once on the `topk` best frontier nodes of every row (one batched forward per level),
 feeding the draft's own hidden output with the chosen token's embedding. Every expanded child is a
 candidate scored by its cumulative log-prob; the best num_draft_tokens - 1 candidates (always closed
-under ancestors) form the tree. Mask, depths, positions and retrieve paths are tensor operations.
+under ancestors) form the tree. Mask, depths, positions and retrieve paths are tensor operations (on CPU the
+selection and layout are one call of csrc/tree_ops.cpp, with the same result).
 """
 from __future__ import annotations
 
@@ -70,7 +71,20 @@ def build_draft_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_p
     cand_tokens, cand_scores, cand_parents [B, C]: candidates in creation order (a parent always comes
     before its children); parent -1 = the root. Picks the num_draft_tokens - 1 highest cumulative
     scores (stable: on ties the earlier candidate, hence the parent, wins, so the set is ancestor-closed).
+    On CPU one call of the extension (csrc/tree_ops.cpp), else build_draft_tree_ref: the same tree.
     """
+    ext = K.extension()
+    if ext is not None and cand_tokens.device.type == "cpu":
+        tokens, parents, depth, mask, positions = ext.build_tree(
+            cand_tokens, cand_scores.float(), cand_parents, root_tokens.reshape(-1), root_positions.reshape(-1),
+            num_draft_tokens)
+        return DraftTree(tokens, parents, depth, mask, positions)
+    return build_draft_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens)
+
+
+def build_draft_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions,
+                         num_draft_tokens) -> DraftTree:
+    """build_draft_tree as tensor ops (any device)."""
     B, C = cand_tokens.shape
     dev = cand_tokens.device
     n = min(num_draft_tokens - 1, C)
@@ -128,46 +142,41 @@ def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logit
     B, k = root_tokens.shape[0], spec.topk
     device = root_tokens.device
     scale = draft.config.head_dim ** -0.5
-    logp = torch.log_softmax(first_logits.float(), -1)
-    scores, draft_ids = logp.topk(k, dim=-1)                                   # [B, k]
+    scores, draft_ids = K.topk_logprobs(first_logits, k)                       # [B, k] log-probs, draft ids
     tokens = draft.draft_to_target(draft_ids)
     cand_tokens, cand_scores = [tokens], [scores]
     cand_parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
     frontier_ids = torch.arange(k, device=device).expand(B, k)                 # candidate index of each frontier node
     hidden = first_hidden.unsqueeze(1).expand(B, k, -1)                        # [B, k, H] parent hidden per node
-    fwd_mask = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)           # among forwarded nodes
-    fwd_parent = torch.full((B, k), -1, dtype=torch.long, device=device)       # forwarded slot of each node's parent
-    offset = k
-    if spec.num_steps > 1:
-        pool.check_room(rows, (spec.num_steps - 1) * k)
+    F = (spec.num_steps - 1) * k                                               # nodes the draft runs on
+    if F:
+        pool.check_room(rows, F)
+    # fwd_mask [B, F, F]: forwarded node i sees forwarded node j (its ancestors and itself; the diagonal is set now,
+    # each level fills its rows from its parents' rows)
+    fwd_mask = torch.eye(F, dtype=torch.bool, device=device).expand(B, F, F).clone()
+    batch = torch.arange(B, device=device).view(B, 1)
     lens = pool.lens[rows]
-    eye = torch.eye(k, dtype=torch.bool, device=device)
+    offset = k
     for step in range(1, spec.num_steps):
-        F_prev = fwd_mask.shape[1]
-        # new rows: parent's row + self
-        rows_mask = torch.zeros(B, k, F_prev + k, dtype=torch.bool, device=device)
-        if F_prev:
-            rows_mask[:, :, :F_prev] = torch.gather(fwd_mask, 1, fwd_parent.clamp(min=0).unsqueeze(-1)
-                                                    .expand(B, k, F_prev)) & (fwd_parent >= 0).unsqueeze(-1)
-        rows_mask[:, :, F_prev:] = eye
-        fwd_mask = torch.cat([torch.nn.functional.pad(fwd_mask, (0, k)), rows_mask], 1)   # [B, F, F]
-        positions = (root_positions - 1 + step).view(B, 1).expand(B, k)
-        attend = pool_attend(pool, rows, lens + F_prev, rows_mask, scale)
+        f0 = (step - 1) * k                                                    # this level's first forwarded slot
+        if step > 1:
+            fwd_mask[:, f0:f0 + k, :f0] = fwd_mask[batch, fwd_parent, :f0]     # parent's row (ancestors + parent)
+        attend = pool_attend(pool, rows, lens + f0, fwd_mask[:, f0:f0 + k, :f0 + k], scale)
+        positions = (root_positions + (step - 1)).view(B, 1).expand(B, k)
         out = draft(tokens, hidden, positions, attend=attend, fuse=False)      # [B, k, H] pre-norm
-        logp = torch.log_softmax(draft.compute_logits(out).float(), -1)        # [B, k, Vd]
-        out = draft.next_hidden(out)                                           # what the children read
-        child_lp, child_ids = logp.topk(k, dim=-1)                             # [B, k, k]
+        child_lp, child_ids = K.topk_logprobs(draft.compute_logits(out), k)    # [B, k, k] of [B, k, Vd] logits
         child_scores = (scores.unsqueeze(-1) + child_lp).view(B, k * k)
         child_tokens = draft.draft_to_target(child_ids).view(B, k * k)
         cand_tokens.append(child_tokens)
         cand_scores.append(child_scores)
-        cand_parents.append(frontier_ids.repeat_interleave(k, dim=1))
+        cand_parents.append(frontier_ids.unsqueeze(-1).expand(B, k, k).reshape(B, k * k))
         # next frontier: the k best children
         scores, best = child_scores.topk(k, dim=-1)
         tokens = torch.gather(child_tokens, 1, best)
         frontier_ids = offset + best
-        hidden = torch.gather(out, 1, (best // k).unsqueeze(-1).expand(B, k, out.shape[-1]))
-        fwd_parent = F_prev + best // k
+        parent = best // k                                                     # [B, k] index in this level
+        hidden = draft.next_hidden(out)[batch, parent]                         # what the children read
+        fwd_parent = f0 + parent
         offset += k * k
     return build_draft_tree(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
                             root_tokens, root_positions, spec.num_draft_tokens)

@@ -112,6 +112,17 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tenso
     return Acceptance(path, count, emitted)
 
 
+def accept_greedy_logits(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor,
+                         logits: torch.Tensor) -> Acceptance:
+    """accept_greedy from the target's logits [B, N, V]: on CPU one call of the extension, which takes the argmax
+    only at the nodes the accepted walk visits; elsewhere accept_greedy(argmax of every node)."""
+    from . import kernels as K
+    ext = K.extension()
+    if ext is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        return Acceptance(*ext.accept_greedy(tokens, parents, logits))
+    return accept_greedy(tokens, parents, mask, K.argmax(logits))
+
+
 def acceptance_from_lists(paths: list[list[int]], emitted: list[list[int]], device) -> Acceptance:
     """Per-row results (sampling) -> the batched form."""
     B, A = len(paths), max(len(p) for p in paths)

@@ -520,3 +520,45 @@ def test_tune_sampled_into_a_greedy_profile(env, tmp_path, capsys):
     sampled = json.loads((tmp_path / "t1.json").read_text())
     assert after["per_batch_size"] == before["per_batch_size"]
     assert after["sampled"]["per_batch_size"] == sampled["per_batch_size"] and after["sampled"]["temperature"] == 1.0
+
+
+def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
+    """--host-table-into PROFILE stores the run's best trees as the table for this kind of host (by_host[kind]);
+    SpecProfile.load then takes them on such a host and the profile's own table elsewhere. A sampled host table
+    needs the greedy one first; a missing profile is refused in one line."""
+    from sglang_eagle3.config import SpecConfig, SpecProfile, host_kind
+    prof = tmp_path / "prof.json"
+    base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
+            "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
+            "--num-draft-tokens-grid", "2,3", "--threads", "1"]
+    assert tune_main(base + ["--out", str(prof)]) == 0
+    assert tune_main(base + ["--out", str(tmp_path / "h.json"), "--host-table-into", str(tmp_path / "none.json")]) == 2
+    assert "no such profile" in capsys.readouterr().err
+    assert tune_main(base + ["--out", str(tmp_path / "s.json"), "--temperature", "1",
+                             "--host-table-into", str(prof)]) == 2
+    assert "no greedy table for host kind" in capsys.readouterr().err
+    # a profile whose own table says 1/1/2 everywhere; this host's table is the measured one
+    data = json.loads(prof.read_text())
+    data["per_batch_size"] = {"1": {"speculation": True, "num_steps": 1, "topk": 1, "num_draft_tokens": 2}}
+    prof.write_text(json.dumps(data))
+    assert tune_main(base + ["--out", str(tmp_path / "h.json"), "--host-table-into", str(prof)]) == 0
+    assert "added the table for" in capsys.readouterr().out
+    after, measured = json.loads(prof.read_text()), json.loads((tmp_path / "h.json").read_text())
+    kind = host_kind()
+    assert after["per_batch_size"] == data["per_batch_size"]
+    assert after["by_host"][kind]["per_batch_size"] == measured["per_batch_size"]
+    here, other = SpecProfile.load(str(prof)), SpecProfile.load(str(prof), host="some-other-kind")
+    assert here.host == kind and f"[{kind}]" in here.source and other.host is None
+    assert other.for_batch_size(1) == SpecConfig(1, 1, 2)
+    m = measured["per_batch_size"]["1"]
+    want = SpecConfig(m["num_steps"], m["topk"], m["num_draft_tokens"]) if m.get("speculation", True) else None
+    assert here.for_batch_size(1) == want
+    assert tune_main(base + ["--out", str(tmp_path / "s.json"), "--temperature", "1",
+                             "--host-table-into", str(prof)]) == 0
+    after = json.loads(prof.read_text())
+    assert after["by_host"][kind]["sampled"]["temperature"] == 1.0 and "per_batch_size" in after["by_host"][kind]
+    assert SpecProfile.load(str(prof)).sampled is not None
+    data["by_host"] = ["not", "an", "object"]
+    prof.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="by_host"):
+        SpecProfile.load(str(prof))

@@ -150,3 +150,43 @@ def test_fused_draft_layer_equals_the_layer_by_layer_path(monkeypatch):
         results.append((out, cache.k.clone(), cache.v.clone(), tree.tokens, tree.parents))
     for i, (got, want) in enumerate(zip(*results)):
         assert torch.equal(got, want), (i, (got.float() - want.float()).abs().max())
+
+
+@settings(max_examples=150, deadline=None)
+@given(candidates(), st.integers(0, 50))
+def test_cpu_tree_selection_equals_the_tensor_ops(cands, root_pos):
+    """build_draft_tree's one-call CPU selection (csrc/tree_ops.cpp) lays out exactly the tree of the tensor
+    ops (build_draft_tree_ref, what other devices run), ties in the scores included."""
+    from sglang_eagle3 import kernels
+    from sglang_eagle3.tree import build_draft_tree_ref
+    if kernels.extension() is None:
+        return
+    tokens, scores, parents, budget = cands
+    B = tokens.shape[0]
+    roots, rpos = torch.arange(B) + 3, torch.full((B,), root_pos)
+    got = build_draft_tree(tokens, scores, parents, roots, rpos, budget)
+    ref = build_draft_tree_ref(tokens, scores, parents, roots, rpos, budget)
+    for name in ("tokens", "parents", "depth", "mask", "positions"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_topk_logprobs_equals_log_softmax_topk():
+    """The per-level top-k of the draft's log-probabilities in one pass: the indices of log_softmax + topk, the
+    values to fp32 rounding; on ties the smaller index first."""
+    from sglang_eagle3 import kernels
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, k in (((3, 2, 8192), 2), ((5, 1000), 4), ((1, 17), 3), ((2, 3, 31), 1)):
+            x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+            vals, ids = kernels.topk_logprobs(x, k)
+            rv, ri = kernels.topk_logprobs_ref(x, k)
+            assert vals.dtype == torch.float32 and ids.dtype == torch.long and vals.shape == rv.shape
+            torch.testing.assert_close(vals, rv, rtol=0, atol=1e-5)
+            assert torch.equal(torch.gather(x.float(), -1, ids), torch.gather(x.float(), -1, ri))
+            if dtype == torch.float32:
+                assert torch.equal(ids, ri)         # no ties in random fp32 values
+    x = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    vals, ids = kernels.topk_logprobs(x, 3)
+    if kernels.extension() is not None:
+        assert ids.tolist() == [[1, 3, 4]]
+    torch.testing.assert_close(vals, torch.log_softmax(x, -1)[:, [1, 3, 4]])

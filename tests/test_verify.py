@@ -159,3 +159,41 @@ def test_argmax_takes_the_first_maximum_like_fp32_argmax(dtype):
     got = kernels.argmax(x)
     assert torch.equal(got, x.float().argmax(-1))
     assert int(got[0, 0]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_accept_from_logits_equals_the_tensor_walk(dtype):
+    """On CPU greedy acceptance is one extension call that takes the argmax only along the accepted walk: the same
+    path, count and emitted tokens (padding included) as accept_greedy over the argmax of every node."""
+    from sglang_eagle3 import kernels
+    from sglang_eagle3.tree import build_draft_tree_ref
+    from sglang_eagle3.verify import accept_greedy, accept_greedy_logits
+    if kernels.extension() is None:
+        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    g = torch.Generator().manual_seed(0)
+    V = 50
+    for trial in range(200):
+        B, C = 3, int(torch.randint(1, 14, (1,), generator=g))
+        parents = torch.stack([torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(C)])
+                               for _ in range(B)])
+        tokens = torch.stack([torch.randperm(V, generator=g)[:C] for _ in range(B)])   # siblings distinct
+        scores = -torch.rand(B, C, generator=g)
+        for i in range(C):                                                              # children score lower
+            p = parents[:, i]
+            scores[:, i] += torch.where(p >= 0, scores.gather(1, p.clamp(min=0).view(B, 1)).view(B), 0)
+        tree = build_draft_tree_ref(tokens, scores, parents, torch.tensor([1, 2, 3]), torch.tensor([5, 0, 9]),
+                                    int(torch.randint(1, C + 2, (1,), generator=g)))
+        N = tree.num_nodes
+        logits = torch.randn(B, N, V, generator=g)
+        want = tree.tokens.clone()                      # make the target agree with some drafted children
+        for b in range(B):
+            for i in range(1, N):
+                if torch.rand((), generator=g) < 0.7:
+                    logits[b, int(tree.parents[b, i]), int(want[b, i])] = 10 + float(torch.rand((), generator=g))
+        if trial % 3 == 0:
+            logits = logits.round()                     # ties: the first maximum wins in both
+        logits = logits.to(dtype)
+        got = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
+        ref = accept_greedy(tree.tokens, tree.parents, tree.mask, kernels.argmax(logits))
+        for a, r in ((got.path, ref.path), (got.count, ref.count), (got.emitted, ref.emitted)):
+            assert torch.equal(a, r), trial

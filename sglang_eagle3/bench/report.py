@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from ..fileio import usual_permissions
 
@@ -169,6 +169,15 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
 # ---- metadata --------------------------------------------------------------------------------
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (/proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def run_metadata() -> dict:
     """Where and when numbers were measured (timings mean little without it)."""
     import torch
@@ -182,6 +191,7 @@ def run_metadata() -> dict:
                                             text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         meta["git_commit"] = None
+    meta["cpu"] = cpu_model()
     try:
         meta["load_average"] = list(os.getloadavg())
     except OSError:

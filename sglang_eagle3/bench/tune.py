@@ -12,6 +12,12 @@ Two backends:
 Outputs (from --out PROFILE.json): PROFILE.json (read by sglang_eagle3.bench.tune.load_profile), PROFILE.grid.json (every
 measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
 SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
+
+The best tree depends on the host: on a CPU with AMX tiles a verify of 8 tokens costs ~1.2x a one-token step, with
+the AVX-512 BF16 kernel 1.2-1.5x, so a draft's profile can hold a table per kind of host (by_host, keyed by
+config.host_kind(): amx, avx512_bf16, cpu, cuda). --host-table-into PROFILE stores this run's table there (with
+--temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
+table elsewhere.
 """
 from __future__ import annotations
 
@@ -276,7 +282,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled-into", default=None, metavar="PROFILE",
                    help="with --temperature > 0: also store this run's best trees in PROFILE (a greedy profile) as "
                         "its table for sampling requests ('sampled'), which the engine and server then use")
+    p.add_argument("--host-table-into", default=None, metavar="PROFILE",
+                   help="also store this run's best trees in PROFILE as the table for this kind of host "
+                        "(by_host[amx|avx512_bf16|cpu]; with --temperature > 0 that host's sampled table), which "
+                        "the engine and server use on such hosts; the rest of PROFILE stays as it is")
     return p
+
+
+def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
+    """PROFILE['by_host'][this host's kind] = this run's best trees (greedy: its per_batch_size; sampled: its
+    'sampled' table, next to a greedy one measured first). Returns the kind."""
+    from ..cli import UserError
+    from ..config import SpecProfile, host_kind
+    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
+    prof = report.read_json(path)
+    kind = host_kind("cpu")
+    entry = dict(prof.get("by_host", {}).get(kind, {}))
+    measured = {"dataset": setup["dataset"], "max_new_tokens": setup["max_new_tokens"],
+                "grid": os.path.abspath(grid_path), "cpu": report.run_metadata().get("cpu")}
+    if setup["temperature"] > 0:
+        if "per_batch_size" not in entry:
+            raise UserError(f"--host-table-into {path}: no greedy table for host kind {kind!r} yet "
+                            "(measure it first at --temperature 0)")
+        entry["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], **measured,
+                            "per_batch_size": best}
+    else:
+        entry.update(measured, per_batch_size=best)
+    prof.setdefault("by_host", {})[kind] = entry
+    report.write_json_atomic(path, prof)
+    return kind
 
 
 def add_sampled_table(path: str, best: dict, setup: dict, grid_path: str) -> None:
@@ -332,6 +366,9 @@ def run(argv=None) -> int:
         raise UserError("--sampled-into needs --temperature > 0 (it stores a table for sampling requests)")
     if a.sampled_into is not None and not os.path.isfile(a.sampled_into):
         raise UserError(f"--sampled-into {a.sampled_into}: no such profile (write the greedy one first)")
+    if a.host_table_into is not None and (a.sglang_url or not os.path.isfile(a.host_table_into)):
+        raise UserError(f"--host-table-into {a.host_table_into}: " + ("our engine's tables only (not --sglang-url)"
+                        if a.sglang_url else "no such profile (write the profile first)"))
     if not 0 <= a.adaptive_tolerance < 1:
         raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
     if a.threads:
@@ -387,6 +424,7 @@ def run(argv=None) -> int:
     report.write_json_atomic(a.out, profile)
     if a.sampled_into is not None:
         add_sampled_table(a.sampled_into, best, setup, grid_path)
+    host = add_host_table(a.host_table_into, best, setup, grid_path) if a.host_table_into is not None else None
     text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
@@ -402,7 +440,8 @@ def run(argv=None) -> int:
     print(text)
     print(f"wrote {os.path.abspath(a.out)}\n      {grid_path}\n      {md}\n      {png}"
           + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})")
-          + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else ""))
+          + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else "")
+          + (f"\nadded the table for {host} hosts to {os.path.abspath(a.host_table_into)}" if host else ""))
     return 0
 
 

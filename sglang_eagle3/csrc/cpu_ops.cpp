@@ -11,7 +11,8 @@
 //   k_new, v_new      [B, n_kv, T, D]   written to slots write_start[b] + t of row rows[b]
 //   new_mask          [B, T, F] bool    query t sees uncommitted slot lens[b] + f iff new_mask[b, t, f]
 //   out               [B, n_h, T, D]
-// Scores, softmax and the weighted sum are computed in fp32 whatever the storage dtype.
+// Scores, softmax and the weighted sum are computed in fp32 whatever the storage dtype (bf16 scores by AVX-512 BF16
+// dot products where the CPU has them: bf16 x bf16 products are exact in fp32, summed in fp32).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,62 +20,15 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define E3_AVX512 1
-#endif
+#include "simd.h"
 
 namespace {
 
-// float and bfloat16 storage only (other dtypes take the PyTorch twins in kernels.py)
-#define E3_DISPATCH(TYPE, NAME, ...)                                                         \
-  [&] {                                                                                      \
-    if ((TYPE) == at::kFloat) { using scalar_t = float; __VA_ARGS__(); }                    \
-    else if ((TYPE) == at::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }     \
-    else TORCH_CHECK(false, NAME ": float32 or bfloat16 only");                            \
-  }()
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
-template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
-
-#ifdef E3_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-  // round to nearest even, as torch's float -> bfloat16 cast (NaN kept quiet)
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5]
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, n);
-  // 2^f on [-0.5, 0.5], degree-6 minimax (relative error < 2e-7)
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
+using namespace e3;
 
 // dot(q, k) over D, q already in fp32
 template <typename T>
@@ -136,6 +90,63 @@ inline void dot16_fixed(const float* q, const T* k, float* out) {
   }
   _mm512_storeu_ps(out, hsum16(acc));
 }
+
+#ifdef E3_BF16DOT
+// bf16 keys against a bf16 query (NP vectors of 32 values: D = 32 NP): each product of two bf16 values is exact
+// in fp32 and _mm512_dpbf16_ps adds pairs of them into fp32 lanes, so a score is the fp32 dot product up to the
+// order of its sums, at half the instructions of converting the keys and using fp32 FMAs.
+template <int NP>
+inline float dot_bf16(const __m512bh* qv, const at::BFloat16* k) {
+  __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < NP; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  return _mm512_reduce_add_ps(a);
+}
+
+// scores[0:16] = q . k[s] for 16 consecutive bf16 keys (D = 32 NP)
+template <int NP>
+inline void dot16_bf16(const __m512bh* qv, const at::BFloat16* k, float* out) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + i * 32 * NP + 32 * c));
+    acc[i] = a;
+  }
+  _mm512_storeu_ps(out, hsum16(acc));
+}
+
+// scores of nq queries (bf16, row i at q + i * D) against committed keys 0..L-1, then the F uncommitted slots the
+// mask allows (-inf others), times scale: s + i * ld. Key blocks outermost: a block stays in L1 for every query.
+template <int NP>
+inline void scores_bf16(const at::BFloat16* q, int64_t nq, const at::BFloat16* K, int64_t L, int64_t F,
+                        const bool* const* masks, float scale, float* s, int64_t ld) {
+  constexpr int64_t D = 32 * NP;
+  auto qvec = [&](int64_t i, __m512bh* qv) {
+    for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * D + 32 * c);
+  };
+  __m512bh qv[NP];
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16)
+    for (int64_t i = 0; i < nq; ++i) {
+      qvec(i, qv);
+      dot16_bf16<NP>(qv, K + j * D, s + i * ld + j);
+    }
+  const __m512 vs = _mm512_set1_ps(scale);
+  const int64_t n = L + F;
+  for (int64_t i = 0; i < nq; ++i) {
+    qvec(i, qv);
+    float* si = s + i * ld;
+    for (int64_t r = j; r < L; ++r) si[r] = dot_bf16<NP>(qv, K + r * D);
+    for (int64_t f = 0; f < F; ++f)
+      si[L + f] = masks[i][f] ? dot_bf16<NP>(qv, K + (L + f) * D) : -std::numeric_limits<float>::infinity();
+    int64_t r = 0;
+    for (; r + 16 <= n; r += 16) _mm512_storeu_ps(si + r, _mm512_mul_ps(_mm512_loadu_ps(si + r), vs));
+    for (; r < n; ++r) si[r] *= scale;
+  }
+}
+#endif
 
 // out[q][0:16 ND] = sum over s < n of p[q * ld + s] * V[s] for QB queries at once: each value row is loaded
 // (and converted) once for the block, the accumulators stay in registers; sums in the order of s, as axpy's.
@@ -263,6 +274,8 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
   const int64_t chunks_per_head = (GT + chunk - 1) / chunk;
   at::parallel_for(0, B * nKV * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(chunk * D), acc(chunk * D), kblock(16 * D), vrow(D), inv(chunk);
+    std::vector<E> qb(chunk * D);
+    std::vector<const bool*> masks(chunk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (nKV * chunks_per_head), kvh = (task / chunks_per_head) % nKV;
       const int64_t r0 = (task % chunks_per_head) * chunk, nq = std::min(chunk, GT - r0);
@@ -270,38 +283,58 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
       const E* K = kc + rows_p[b] * row_stride + kvh * head_stride;
       const E* V = vc + rows_p[b] * row_stride + kvh * head_stride;
       scores.resize(nq * n);
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
-        float* qi = qf.data() + i * D;
-        load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
-        for (int64_t d = 0; d < D; ++d) qi[d] *= static_cast<float>(scale);
-      }
-      int64_t s0 = 0;
-#ifdef E3_AVX512
-      if (D % 16 == 0 && D <= 256)
-        for (; s0 + 16 <= L; s0 += 16) {
-          const E* kb = K + s0 * D;
-          const float* kf = kblock.data();
-          if (nq > 2)                                    // convert the block once for many queries
-            for (int64_t j = 0; j < 16 * D; j += 16) _mm512_storeu_ps(kblock.data() + j, load16(kb + j));
+      bool scored = false;
+#ifdef E3_BF16DOT
+      if constexpr (std::is_same<E, at::BFloat16>::value) {
+        if (D == 64 || D == 128) {                     // bf16 dot products: the rotated query is bf16 already
           for (int64_t i = 0; i < nq; ++i) {
-            float* si = scores.data() + i * n + s0;
-            const float* qi = qf.data() + i * D;
-            if (D == 64) nq > 2 ? dot16_fixed<4>(qi, kf, si) : dot16_fixed<4>(qi, kb, si);
-            else if (D == 128) nq > 2 ? dot16_fixed<8>(qi, kf, si) : dot16_fixed<8>(qi, kb, si);
-            else nq > 2 ? dot16(qi, kf, D, si) : dot16(qi, kb, D, si);
+            const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+            float* qi = qf.data() + i * D;
+            load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
+            for (int64_t d = 0; d < D; ++d) qb[i * D + d] = from_f<E>(qi[d]);
+            masks[i] = mask_p + (b * T + t) * F;
           }
+          if (D == 64) scores_bf16<2>(qb.data(), nq, K, L, F, masks.data(), static_cast<float>(scale), scores.data(), n);
+          else scores_bf16<4>(qb.data(), nq, K, L, F, masks.data(), static_cast<float>(scale), scores.data(), n);
+          for (int64_t i = 0; i < nq; ++i) inv[i] = 1.f / softmax_unnormalised(scores.data() + i * n, n);
+          scored = true;
         }
+      }
 #endif
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t t = (r0 + i) % T;
-        const float* qi = qf.data() + i * D;
-        float* si = scores.data() + i * n;
-        for (int64_t s = s0; s < L; ++s) si[s] = dot(qi, K + s * D, D);
-        const bool* m = mask_p + (b * T + t) * F;
-        for (int64_t f = 0; f < F; ++f)
-          si[L + f] = m[f] ? dot(qi, K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
-        inv[i] = 1.f / softmax_unnormalised(si, n);
+      if (!scored) {                                     // fp32 scores
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+          float* qi = qf.data() + i * D;
+          load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
+          for (int64_t d = 0; d < D; ++d) qi[d] *= static_cast<float>(scale);
+        }
+        int64_t s0 = 0;
+#ifdef E3_AVX512
+        if (D % 16 == 0 && D <= 256)
+          for (; s0 + 16 <= L; s0 += 16) {
+            const E* kb = K + s0 * D;
+            const float* kf = kblock.data();
+            if (nq > 2)                                    // convert the block once for many queries
+              for (int64_t j = 0; j < 16 * D; j += 16) _mm512_storeu_ps(kblock.data() + j, load16(kb + j));
+            for (int64_t i = 0; i < nq; ++i) {
+              float* si = scores.data() + i * n + s0;
+              const float* qi = qf.data() + i * D;
+              if (D == 64) nq > 2 ? dot16_fixed<4>(qi, kf, si) : dot16_fixed<4>(qi, kb, si);
+              else if (D == 128) nq > 2 ? dot16_fixed<8>(qi, kf, si) : dot16_fixed<8>(qi, kb, si);
+              else nq > 2 ? dot16(qi, kf, D, si) : dot16(qi, kb, D, si);
+            }
+          }
+#endif
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t t = (r0 + i) % T;
+          const float* qi = qf.data() + i * D;
+          float* si = scores.data() + i * n;
+          for (int64_t s = s0; s < L; ++s) si[s] = dot(qi, K + s * D, D);
+          const bool* m = mask_p + (b * T + t) * F;
+          for (int64_t f = 0; f < F; ++f)
+            si[L + f] = m[f] ? dot(qi, K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
+          inv[i] = 1.f / softmax_unnormalised(si, n);
+        }
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
       int64_t s_done = 0;                                // committed slots: all finite, no mask
@@ -548,10 +581,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // stream (the hardware prefetcher keeps up with one stream per core better than with a stream per block), once
 // per call: rows are processed in passes of up to 12 while the group's weights (K * 128 bytes) stay in L2.
 // N and K are padded to 32 and 2 with zeros.
-#if defined(__AVX512BF16__)
-#define E3_BF16DOT 1
-#endif
-
 at::Tensor pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: a [N, K] bfloat16 weight");
   const int64_t N = w.size(0), K = w.size(1), NG = (N + 31) / 32, KP = (K + 1) / 2;
@@ -789,30 +818,7 @@ void target_distribution_impl(const E* logits, const int64_t* draft_ids, int64_t
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const E* zi = logits + i * V;
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t arg = 0, j = 0;
-#ifdef E3_AVX512
-      // per lane: the first maximum of its column; then the lowest index among the lanes holding the maximum
-      __m512 vbest = _mm512_set1_ps(best);
-      __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i step = _mm512_set1_epi32(16);
-      for (; j + 16 <= V; j += 16) {
-        const __m512 v = load16(zi + j);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
-        vbest = _mm512_mask_mov_ps(vbest, gt, v);
-        vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
-        cur = _mm512_add_epi32(cur, step);
-      }
-      if (j > 0) {
-        best = _mm512_reduce_max_ps(vbest);
-        const __mmask16 at_best = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
-        arg = _mm512_mask_reduce_min_epi32(at_best, vidx);
-      }
-#endif
-      for (; j < V; ++j) {
-        const float v = to_f(zi[j]);
-        if (v > best) { best = v; arg = j; }
-      }
+      const int64_t arg = argmax_row(zi, V);
       top[i] = arg;
       float* pi = p + i * Vd;
       for (int64_t k = 0; k < Vd; ++k) pi[k] = to_f(zi[draft_ids[k]]);
@@ -822,6 +828,7 @@ void target_distribution_impl(const E* logits, const int64_t* draft_ids, int64_t
     }
   });
 }
+
 }  // namespace
 
 // logits [N, V] (float or bf16), draft_ids [Vd] int64 -> (p [N, Vd] fp32, top [N] int64)
@@ -867,4 +874,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("soft_ce_forward", &soft_ce_forward, "soft cross-entropy over rows of p (-> loss, logsumexp)");
   m.def("soft_ce_backward", &soft_ce_backward, "(softmax(z) - p[rows]) * grad");
   m.def("target_distribution", &target_distribution, "argmax over V and softmax at the draft's ids (fp32)");
+  m.def("topk_logprobs", &topk_logprobs, "the k largest log-probabilities of each row and their indices");
+  m.def("build_tree", &build_tree, "draft tree selection and layout (tree.build_draft_tree)");
+  m.def("accept_greedy", &accept_greedy, "greedy acceptance of a tree from the target's logits");
 }

@@ -1,5 +1,6 @@
 // Declarations shared by the extension's sources: cpu_ops.cpp (attention, norms, AVX-512 BF16 linears, training
-// kernels, the Python bindings), amx_linear.cpp (AMX tile linears) and layers.cpp (whole decoder layers).
+// kernels, the Python bindings), amx_linear.cpp (AMX tile linears), layers.cpp (whole decoder layers) and
+// tree_ops.cpp (draft tree selection).
 #pragma once
 #include <torch/extension.h>
 
@@ -38,3 +39,10 @@ at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const
                        int64_t n_gate_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
                        int64_t nH, int64_t nKV, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                        const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+
+// tree_ops.cpp
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k);
+std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tensor& cand_scores,
+                                   const at::Tensor& cand_parents, const at::Tensor& root_tokens,
+                                   const at::Tensor& root_positions, int64_t num_draft_tokens);
+std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);

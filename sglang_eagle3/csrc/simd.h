@@ -1,0 +1,95 @@
+// Scalar and AVX-512 helpers shared by the extension's sources (bf16 <-> fp32, vector exp, first-maximum argmax,
+// the dtype dispatch). Every function is inline; the namespace keeps them apart from torch's.
+#pragma once
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define E3_AVX512 1
+#endif
+#if defined(__AVX512BF16__)
+#define E3_BF16DOT 1
+#endif
+
+namespace e3 {
+
+// float and bfloat16 storage only (other dtypes take the PyTorch twins in kernels.py)
+#define E3_DISPATCH(TYPE, NAME, ...)                                                         \
+  [&] {                                                                                      \
+    if ((TYPE) == at::kFloat) { using scalar_t = float; __VA_ARGS__(); }                    \
+    else if ((TYPE) == at::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }     \
+    else TORCH_CHECK(false, NAME ": float32 or bfloat16 only");                            \
+  }()
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+
+#ifdef E3_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  // round to nearest even, as torch's float -> bfloat16 cast (NaN kept quiet)
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5]
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);
+  // 2^f on [-0.5, 0.5], degree-6 minimax (relative error < 2e-7)
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// the index of the first maximum of z[0:V] (as torch's max(-1).indices / argmax)
+template <typename E>
+inline int64_t argmax_row(const E* z, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t arg = 0, j = 0;
+#ifdef E3_AVX512
+  // per lane: the first maximum of its column; then the lowest index among the lanes holding the maximum
+  __m512 vbest = _mm512_set1_ps(best);
+  __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = load16(z + j);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+    vbest = _mm512_mask_mov_ps(vbest, gt, v);
+    vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    cur = _mm512_add_epi32(cur, step);
+  }
+  if (j > 0) {
+    best = _mm512_reduce_max_ps(vbest);
+    const __mmask16 at_best = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    arg = _mm512_mask_reduce_min_epi32(at_best, vidx);
+  }
+#endif
+  for (; j < V; ++j) {
+    const float v = to_f(z[j]);
+    if (v > best) { best = v; arg = j; }
+  }
+  return arg;
+}
+
+}  // namespace e3

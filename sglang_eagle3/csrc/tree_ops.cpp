@@ -1,0 +1,186 @@
+// The draft tree's bookkeeping on the CPU: a speculative step at batch 1 spent more time launching the ~60 small
+// tensor ops of tree selection than computing them. One call, the same result as its PyTorch twin in tree.py
+// (tests compare both): the top-k of a level, the selection and layout of the tree, greedy acceptance.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+using namespace e3;
+
+// per row of x [R, V]: the k largest values of log_softmax(x) (fp32, larger first; equal values: smaller index
+// first) and their indices
+template <typename E>
+void topk_logprobs_impl(const E* x, int64_t R, int64_t V, int64_t k, float* vals, int64_t* ids) {
+  std::vector<float> best(k);
+  std::vector<int64_t> arg(k);
+  for (int64_t r = 0; r < R; ++r) {
+    const E* xr = x + r * V;
+    float mx = -std::numeric_limits<float>::infinity();
+    int64_t j = 0;
+#ifdef E3_AVX512
+    __m512 vmx = _mm512_set1_ps(mx);
+    for (; j + 16 <= V; j += 16) vmx = _mm512_max_ps(vmx, load16(xr + j));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; j < V; ++j) mx = std::max(mx, to_f(xr[j]));
+    float sum = 0.f;
+    j = 0;
+#ifdef E3_AVX512
+    __m512 vs = _mm512_setzero_ps();
+    vmx = _mm512_set1_ps(mx);
+    for (; j + 16 <= V; j += 16) vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(load16(xr + j), vmx)));
+    sum = _mm512_reduce_add_ps(vs);
+#endif
+    for (; j < V; ++j) sum += std::exp(to_f(xr[j]) - mx);
+    // top-k by insertion into a sorted list of k: a value enters only if larger than the current k-th
+    std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
+    std::fill(arg.begin(), arg.end(), -1);
+    auto offer = [&](float v, int64_t i) {
+      if (!(v > best[k - 1]) && arg[k - 1] >= 0) return;
+      int64_t p = k - 1;
+      while (p > 0 && (v > best[p - 1] || arg[p - 1] < 0)) { best[p] = best[p - 1]; arg[p] = arg[p - 1]; --p; }
+      best[p] = v;
+      arg[p] = i;
+    };
+    j = 0;
+#ifdef E3_AVX512
+    for (; j + 16 <= V; j += 16) {
+      const __m512 v = load16(xr + j);
+      __mmask16 hit = arg[k - 1] < 0 ? (__mmask16)0xFFFF : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ);
+      while (hit) {
+        const int lane = __builtin_ctz(hit);
+        hit &= hit - 1;
+        offer(to_f(xr[j + lane]), j + lane);
+      }
+    }
+#endif
+    for (; j < V; ++j) offer(to_f(xr[j]), j);
+    const float log_sum = std::log(sum);
+    for (int64_t i = 0; i < k; ++i) {
+      ids[r * k + i] = arg[i];
+      vals[r * k + i] = (best[i] - mx) - log_sum;             // log_softmax's order: (x - max) - log(sum)
+    }
+  }
+}
+
+}  // namespace
+
+// logits [..., V] (float32 / bfloat16) -> (the k largest of log_softmax(logits.float()) [..., k] fp32, their indices
+// [..., k] int64), larger first: one pass per row instead of a cast, a log_softmax and a topk.
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() >= 1, "topk_logprobs: a CPU tensor [..., V]");
+  const int64_t V = logits.size(-1);
+  TORCH_CHECK(k >= 1 && k <= V, "topk_logprobs: k must be in [1, V]");
+  at::Tensor x = logits.contiguous();
+  const int64_t R = x.numel() / V;
+  auto shape = logits.sizes().vec();
+  shape.back() = k;
+  at::Tensor vals = at::empty(shape, logits.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty(shape, logits.options().dtype(at::kLong));
+  E3_DISPATCH(x.scalar_type(), "topk_logprobs", [&] {
+    topk_logprobs_impl<scalar_t>(x.data_ptr<scalar_t>(), R, V, k, vals.data_ptr<float>(), ids.data_ptr<int64_t>());
+  });
+  return {vals, ids};
+}
+
+// build_draft_tree's selection and layout (tree.py): the n = min(num_draft_tokens - 1, C) best candidates by
+// score (stable: on equal scores the earlier candidate), in creation order, under the root.
+// cand_tokens, cand_parents [B, C] int64 (parent -1 = root), cand_scores [B, C] fp32, root_tokens, root_positions [B].
+// Returns tokens, parents, depth, positions [B, N] int64 and mask [B, N, N] bool (N = n + 1).
+std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tensor& cand_scores,
+                                   const at::Tensor& cand_parents, const at::Tensor& root_tokens,
+                                   const at::Tensor& root_positions, int64_t num_draft_tokens) {
+  TORCH_CHECK(cand_tokens.dim() == 2 && cand_tokens.sizes() == cand_scores.sizes() &&
+              cand_tokens.sizes() == cand_parents.sizes(), "build_tree: candidates must be [B, C]");
+  TORCH_CHECK(cand_tokens.scalar_type() == at::kLong && cand_parents.scalar_type() == at::kLong &&
+              cand_scores.scalar_type() == at::kFloat && root_tokens.scalar_type() == at::kLong &&
+              root_positions.scalar_type() == at::kLong, "build_tree: int64 tokens/parents/roots, fp32 scores");
+  const int64_t B = cand_tokens.size(0), C = cand_tokens.size(1);
+  TORCH_CHECK(root_tokens.numel() == B && root_positions.numel() == B, "build_tree: one root per row");
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(num_draft_tokens - 1, C)), N = n + 1;
+  at::Tensor ct = cand_tokens.contiguous(), cs = cand_scores.contiguous(), cp = cand_parents.contiguous();
+  at::Tensor rt = root_tokens.contiguous(), rp = root_positions.contiguous();
+  auto opt = cand_tokens.options();
+  at::Tensor tokens = at::empty({B, N}, opt), parents = at::empty({B, N}, opt), depth = at::empty({B, N}, opt);
+  at::Tensor positions = at::empty({B, N}, opt), mask = at::zeros({B, N, N}, opt.dtype(at::kBool));
+  const int64_t *ctp = ct.data_ptr<int64_t>(), *cpp = cp.data_ptr<int64_t>();
+  const float* csp = cs.data_ptr<float>();
+  int64_t *tk = tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>(), *de = depth.data_ptr<int64_t>();
+  int64_t* po = positions.data_ptr<int64_t>();
+  bool* mk = mask.data_ptr<bool>();
+  std::vector<int64_t> order(C), node_of(C);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* s = csp + b * C;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return s[x] > s[y]; });
+    std::sort(order.begin(), order.begin() + n);                   // the chosen, in creation order
+    std::fill(node_of.begin(), node_of.end(), -1);
+    for (int64_t i = 0; i < n; ++i) node_of[order[i]] = i + 1;
+    int64_t *t = tk + b * N, *p = pa + b * N, *d = de + b * N, *q = po + b * N;
+    bool* m = mk + b * N * N;
+    t[0] = rt.data_ptr<int64_t>()[b];
+    p[0] = -1;
+    d[0] = 0;
+    m[0] = true;
+    for (int64_t i = 1; i < N; ++i) {
+      const int64_t c = order[i - 1], pc = cpp[b * C + c];
+      const int64_t parent = pc < 0 ? 0 : node_of[pc];
+      TORCH_CHECK(parent >= 0 && parent < i, "draft tree selection is not closed under ancestors");
+      t[i] = ctp[b * C + c];
+      p[i] = parent;
+      d[i] = d[parent] + 1;
+      std::copy(m + parent * N, m + parent * N + N, m + i * N);  // the parent's ancestors, then itself
+      m[i * N + i] = true;
+    }
+    const int64_t root_pos = rp.data_ptr<int64_t>()[b];
+    for (int64_t i = 0; i < N; ++i) q[i] = root_pos + d[i];
+  }
+  return {tokens, parents, depth, mask, positions};
+}
+
+// Greedy acceptance (verify.accept_greedy) straight from the target's logits: walk from the root, at each node take
+// the target's argmax (the first maximum) and move to the child drafting it; the argmax is computed only at the
+// nodes the walk visits. tokens, parents [B, N] int64 (parents precede children, siblings distinct); logits
+// [B, N, V] float32 / bfloat16. Returns path [B, N] (accepted nodes, then j at j >= count), count [B] and
+// emitted [B, N] (accepted draft tokens, then the bonus token; past it the tokens accept_greedy leaves there).
+std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.sizes() == parents.sizes() && tokens.scalar_type() == at::kLong &&
+              parents.scalar_type() == at::kLong, "accept_greedy: tokens, parents must be int64 [B, N]");
+  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) &&
+              logits.device().is_cpu(), "accept_greedy: logits must be a CPU [B, N, V]");
+  const int64_t B = tokens.size(0), N = tokens.size(1), V = logits.size(2);
+  at::Tensor tk = tokens.contiguous(), pa = parents.contiguous(), z = logits.contiguous();
+  at::Tensor path = at::empty({B, N}, tokens.options()), count = at::empty({B}, tokens.options());
+  at::Tensor emitted = at::empty({B, N}, tokens.options());
+  const int64_t *t = tk.data_ptr<int64_t>(), *p = pa.data_ptr<int64_t>();
+  int64_t *pt = path.data_ptr<int64_t>(), *ct = count.data_ptr<int64_t>(), *em = emitted.data_ptr<int64_t>();
+  E3_DISPATCH(z.scalar_type(), "accept_greedy", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t *tb = t + b * N, *pb = p + b * N;
+      int64_t *path_b = pt + b * N, n = 0, node = 0, bonus = 0;
+      path_b[n++] = 0;
+      while (true) {
+        bonus = argmax_row(zp + (b * N + node) * V, V);
+        int64_t next = -1;
+        for (int64_t c = node + 1; c < N; ++c)
+          if (pb[c] == node && tb[c] == bonus) { next = c; break; }
+        if (next < 0) break;
+        path_b[n++] = next;
+        node = next;
+      }
+      ct[b] = n;
+      for (int64_t j = n; j < N; ++j) path_b[j] = j;
+      int64_t* eb = em + b * N;
+      for (int64_t j = 0; j < N; ++j) eb[j] = j == n - 1 ? bonus : tb[path_b[std::min(j + 1, N - 1)]];
+    }
+  });
+  return {path, count, emitted};
+}
