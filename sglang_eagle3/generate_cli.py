@@ -73,14 +73,15 @@ def add_spec_args(p) -> None:
     g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens verified per step incl. the root")
 
 
-def draft_profile(draft: str | None):
-    """The speculation profile stored with a draft (spec_profile.json), or None."""
-    from .config import ConfigError, SpecProfile, draft_profile_path
+def draft_profile(draft: str | None, device: str = "cpu"):
+    """The speculation profile stored with a draft (spec_profile.json), or None; its table for this kind of host
+    where it has one (config.host_kind(device))."""
+    from .config import ConfigError, SpecProfile, draft_profile_path, host_kind
     path = draft_profile_path(draft)
     if path is None:
         return None
     try:
-        return SpecProfile.load(path)
+        return SpecProfile.load(path, host=host_kind(device))
     except ConfigError as e:
         raise UserError(str(e)) from None
 
@@ -90,7 +91,7 @@ def resolve_spec(a, draft: str | None, batch_size: int = 1):
     draft's tuned profile (its tree for `batch_size`, and the whole profile for an engine that adapts to its running
     batch size); otherwise SGLang's default 5/4/16. A flag given alone fills in the rest from that base."""
     explicit = {k: getattr(a, k) for k in ("num_steps", "topk", "num_draft_tokens") if getattr(a, k, None) is not None}
-    profile = None if explicit else draft_profile(draft)
+    profile = None if explicit else draft_profile(draft, getattr(a, "device", None) or "cpu")
     base, source = SpecConfig(), "default tree"
     if profile is not None:
         sampled = (getattr(a, "temperature", None) or 0) > 0 and profile.sampled is not None
