@@ -243,7 +243,7 @@ def serve_builtin(args, extra: list[str]) -> int:
         run_draft_check(target, draft)
     state = build_state(target, draft, args.dtype, spec, profile, args.batch_size or 32, args.max_queue,
                         args.max_len or 4096)
-    how = (f"adaptive speculation from {profile_path}" if profile else
+    how = (f"adaptive speculation from {profile.source}" if profile else
            f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens}" if draft
            else "no speculation")
     print(f"eagle3 serve: builtin engine, {how}", file=sys.stderr, flush=True)
