@@ -82,7 +82,7 @@ class SpecWorker:
             self.pend_feats = torch.zeros(num_rows, PENDING_MAX, n_feat, dtype=dtype, device=dev)
             self.pend_ids = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
             self.pend_pos = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
-            self.pend_n = torch.zeros(num_rows, dtype=torch.long, device=dev)
+            self.pend_count = [0] * num_rows     # pairs held per row, on the host (the step syncs its counts anyway)
 
     def nbytes(self) -> int:
         return self.tpool.nbytes() + (self.dpool.nbytes() if self.dpool is not None else 0)
@@ -106,7 +106,7 @@ class SpecWorker:
         self.roots[row], self.root_pos[row] = root, T
         if self.draft is not None:
             self.dpool.reset(rows)
-            self.pend_n[rows] = 0
+            self.pend_count[row] = 0
             d_in = torch.cat([ids[:, 1:], torch.tensor([[root]], device=dev)], 1)   # (feature t, token t+1)
             self._draft_extend(rows, d_in, out.aux_hidden_states, pos, torch.tensor([T], device=dev))
         return root, time.perf_counter() - t0
@@ -122,7 +122,7 @@ class SpecWorker:
         roots, root_pos = self.roots[r], self.root_pos[r]
         if self.draft is not None and spec is not None:
             with record_function("eagle3::draft_extend"):
-                self._catch_up(r)
+                self._catch_up(rows)
             with record_function("eagle3::draft_tree"):
                 tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
         else:
@@ -145,36 +145,53 @@ class SpecWorker:
         t2 = time.perf_counter()
         if self.draft is not None:
             with record_function("eagle3::draft_hold"):
-                aux = tv.aux_hidden_states
-                feats = torch.gather(aux, 1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
-                positions = torch.gather(tree.positions, 1, path)
-                self._hold(r, acc.emitted[:, :A], feats, positions, acc.count, counts)
+                self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
         times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
         return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times)
 
-    def _hold(self, rows: torch.Tensor, ids, feats, positions, count: torch.Tensor, counts: list[int]) -> None:
-        """Queue this step's pairs [B, A] (count[b] valid) for the draft; rows that would overflow catch up first."""
-        B, A = ids.shape
-        if any(n + c > PENDING_MAX for n, c in zip(self.pend_n[rows].tolist(), counts)):
-            self._catch_up(rows)
-        j = torch.arange(A, device=ids.device).view(1, A)
-        valid = j < count.view(B, 1)
-        row = rows.view(B, 1).expand(B, A)[valid]
-        slot = (self.pend_n[rows].view(B, 1) + j)[valid]
-        self.pend_ids[row, slot], self.pend_pos[row, slot] = ids[valid], positions[valid]
-        self.pend_feats[row, slot] = feats[valid].to(self.pend_feats.dtype)
-        self.pend_n[rows] += count
-
-    def _catch_up(self, rows: torch.Tensor) -> None:
-        """Run the held pairs of these rows through the draft (one batched extend)."""
-        n = self.pend_n[rows]
-        todo = n > 0
-        if not bool(todo.any()):
+    def _hold(self, rows: list[int], emitted, aux, tree_positions, path, counts: list[int]) -> None:
+        """Queue this step's pairs for the draft: per row b the accepted path[b, :counts[b]] of the verified tree,
+        its target features aux [B, N, F] and positions, with the emitted tokens [B, N] (the token after each).
+        Rows that would overflow catch up first."""
+        full = [r for r, c in zip(rows, counts) if self.pend_count[r] + c > PENDING_MAX]
+        if full:
+            self._catch_up(full)
+        if len(rows) == 1:                                    # batch 1: slices, no index tensors
+            r, s, c = rows[0], self.pend_count[rows[0]], counts[0]
+            nodes = path[0, :c]
+            self.pend_ids[r, s:s + c] = emitted[0, :c]
+            self.pend_pos[r, s:s + c] = tree_positions[0, nodes]
+            self.pend_feats[r, s:s + c] = aux[0, nodes].to(self.pend_feats.dtype)
+            self.pend_count[r] = s + c
             return
-        rows, n = rows[todo], n[todo]
-        A = int(n.max())
-        self._draft_extend(rows, self.pend_ids[rows, :A], self.pend_feats[rows, :A], self.pend_pos[rows, :A], n)
-        self.pend_n[rows] = 0
+        dev = emitted.device
+        src_b = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=dev)
+        src_j = torch.tensor([j for c in counts for j in range(c)], device=dev)
+        row = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)], device=dev)
+        slot = torch.tensor([self.pend_count[r] + j for r, c in zip(rows, counts) for j in range(c)], device=dev)
+        nodes = path[src_b, src_j]
+        self.pend_ids[row, slot] = emitted[src_b, src_j]
+        self.pend_pos[row, slot] = tree_positions[src_b, nodes]
+        self.pend_feats[row, slot] = aux[src_b, nodes].to(self.pend_feats.dtype)
+        for r, c in zip(rows, counts):
+            self.pend_count[r] += c
+
+    def _catch_up(self, rows: list[int]) -> None:
+        """Run the held pairs of these rows through the draft (one batched extend)."""
+        todo = [r for r in rows if self.pend_count[r] > 0]
+        if not todo:
+            return
+        n = [self.pend_count[r] for r in todo]
+        A, dev = max(n), self.pend_ids.device
+        if len(todo) == 1:
+            r = todo[0]
+            ids, feats, pos = self.pend_ids[r:r + 1, :A], self.pend_feats[r:r + 1, :A], self.pend_pos[r:r + 1, :A]
+        else:
+            t = torch.tensor(todo, device=dev)
+            ids, feats, pos = self.pend_ids[t, :A], self.pend_feats[t, :A], self.pend_pos[t, :A]
+        self._draft_extend(torch.tensor(todo, device=dev), ids, feats, pos, torch.tensor(n, device=dev))
+        for r in todo:
+            self.pend_count[r] = 0
 
     def _draft_extend(self, rows: torch.Tensor, input_ids, aux, positions, num_new) -> None:
         """Draft forward over (feature t, token t+1) pairs; commit them; keep the last valid hidden/logits."""
@@ -189,7 +206,7 @@ class SpecWorker:
                 return prefill_attention(self.dpool, 0, rows, starts, counts, q, k, v, self.scale)
         h = self.draft(input_ids, aux, positions, attend=attend, fuse=True)           # [B, T, H]
         self.dpool.commit_prefix(rows, num_new)
-        last = h[torch.arange(B, device=h.device), num_new - 1]                         # [B, H] pre-norm
+        last = h[:, -1] if B == 1 else h[torch.arange(B, device=h.device), num_new - 1]  # [B, H] pre-norm (B = 1: T new)
         self.d_hidden[rows] = self.draft.next_hidden(last).to(self.d_hidden.dtype)
         self.d_logits[rows] = self.draft.compute_logits(last).to(self.d_logits.dtype)
 
