@@ -183,13 +183,13 @@ class SpecWorker:
             return
         n = [self.pend_count[r] for r in todo]
         A, dev = max(n), self.pend_ids.device
-        if len(todo) == 1:
+        t = torch.tensor(todo, device=dev)
+        if len(todo) == 1:                                    # batch 1: views, no gathered copies
             r = todo[0]
             ids, feats, pos = self.pend_ids[r:r + 1, :A], self.pend_feats[r:r + 1, :A], self.pend_pos[r:r + 1, :A]
         else:
-            t = torch.tensor(todo, device=dev)
             ids, feats, pos = self.pend_ids[t, :A], self.pend_feats[t, :A], self.pend_pos[t, :A]
-        self._draft_extend(torch.tensor(todo, device=dev), ids, feats, pos, torch.tensor(n, device=dev))
+        self._draft_extend(t, ids, feats, pos, torch.tensor(n, device=dev))
         for r in todo:
             self.pend_count[r] = 0
 

@@ -149,13 +149,13 @@ def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logit
     frontier_ids = torch.arange(k, device=device).expand(B, k)                 # candidate index of each frontier node
     hidden = first_hidden.unsqueeze(1).expand(B, k, -1)                        # [B, k, H] parent hidden per node
     F = (spec.num_steps - 1) * k                                               # nodes the draft runs on
-    if F:
+    if F:                                                                      # (none for a one-level tree)
         pool.check_room(rows, F)
-    # fwd_mask [B, F, F]: forwarded node i sees forwarded node j (its ancestors and itself; the diagonal is set now,
-    # each level fills its rows from its parents' rows)
-    fwd_mask = torch.eye(F, dtype=torch.bool, device=device).expand(B, F, F).clone()
-    batch = torch.arange(B, device=device).view(B, 1)
-    lens = pool.lens[rows]
+        # fwd_mask [B, F, F]: forwarded node i sees forwarded node j (its ancestors and itself; the diagonal is
+        # set now, each level fills its rows from its parents' rows)
+        fwd_mask = torch.eye(F, dtype=torch.bool, device=device).expand(B, F, F).clone()
+        batch = torch.arange(B, device=device).view(B, 1)
+        lens = pool.lens[rows]
     offset = k
     for step in range(1, spec.num_steps):
         f0 = (step - 1) * k                                                    # this level's first forwarded slot

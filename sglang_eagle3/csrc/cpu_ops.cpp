@@ -701,19 +701,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 // fp32 arithmetic. One row of z (V = 8192 bf16: 16 KB) stays in L1/L2 between the max pass and the exp pass.
 namespace {
 template <typename E>
-float row_max(const E* z, int64_t V) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-#ifdef E3_AVX512
-  __m512 vm = _mm512_set1_ps(mx);
-  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, load16(z + j));
-  mx = _mm512_reduce_max_ps(vm);
-#endif
-  for (; j < V; ++j) mx = std::max(mx, to_f(z[j]));
-  return mx;
-}
-
-template <typename E>
 void soft_ce_forward_impl(const E* z, const float* p, const int64_t* rows, int64_t S, int64_t V, float* loss,
                           float* lse) {
   at::parallel_for(0, S, 8, [&](int64_t begin, int64_t end) {

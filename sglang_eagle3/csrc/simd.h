@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -61,6 +62,20 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// max of z[0:V] in fp32
+template <typename E>
+inline float row_max(const E* z, int64_t V) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef E3_AVX512
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, load16(z + j));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; j < V; ++j) mx = std::max(mx, to_f(z[j]));
+  return mx;
+}
 
 // the index of the first maximum of z[0:V] (as torch's max(-1).indices / argmax)
 template <typename E>

@@ -22,19 +22,12 @@ void topk_logprobs_impl(const E* x, int64_t R, int64_t V, int64_t k, float* vals
   std::vector<int64_t> arg(k);
   for (int64_t r = 0; r < R; ++r) {
     const E* xr = x + r * V;
-    float mx = -std::numeric_limits<float>::infinity();
+    const float mx = row_max(xr, V);
+    float sum = 0.f;
     int64_t j = 0;
 #ifdef E3_AVX512
-    __m512 vmx = _mm512_set1_ps(mx);
-    for (; j + 16 <= V; j += 16) vmx = _mm512_max_ps(vmx, load16(xr + j));
-    mx = _mm512_reduce_max_ps(vmx);
-#endif
-    for (; j < V; ++j) mx = std::max(mx, to_f(xr[j]));
-    float sum = 0.f;
-    j = 0;
-#ifdef E3_AVX512
     __m512 vs = _mm512_setzero_ps();
-    vmx = _mm512_set1_ps(mx);
+    const __m512 vmx = _mm512_set1_ps(mx);
     for (; j + 16 <= V; j += 16) vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(load16(xr + j), vmx)));
     sum = _mm512_reduce_add_ps(vs);
 #endif
