@@ -54,7 +54,9 @@ RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v3
 GSM8K_ROWS ?= 2500
 SHAREGPT1K_ROWS ?= 1000
 SHAREGPT_PROMPT_CHARS ?= 6000
-REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype bfloat16 --max-new-tokens 512 --batch-size 32 --write-every 384
+# TARGET_DTYPE: the target's dtype while it answers and is dumped (the shipped draft's data: bfloat16)
+TARGET_DTYPE ?= bfloat16
+REGEN  = $(BIN)/eagle3 regenerate --target testbed --dtype $(TARGET_DTYPE) --max-new-tokens 512 --batch-size 32 --write-every 384
 # SAMPLED_ROWS: the first ShareGPT prompts (3808: all of them) answered once more, sampled at SAMPLED_T (seeded): more distinct
 # contexts drawn from the target's own distribution (0: none)
 SAMPLED_ROWS ?= 3808
@@ -111,7 +113,7 @@ REUSE  ?=
 dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards (resumable)
 	@test -f $(DATA_OUT)/stats.json || { echo "missing $(DATA_OUT): run 'make data' first"; exit 2; }
 	$(BIN)/python train/dump_hidden_states.py --target testbed --data $(DATA_OUT) --out $(DUMP_OUT) \
-	    --target-dtype bfloat16 --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096 $(foreach d,$(REUSE),--reuse $(d))
+	    --target-dtype $(TARGET_DTYPE) --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096 $(foreach d,$(REUSE),--reuse $(d))
 
 TRAIN_ARGS = --target testbed --data $(DUMP_OUT) --out $(TRAIN_OUT) \
 	    $(if $(VOCAB_SIZE),--draft-vocab-size $(VOCAB_SIZE),$(if $(INIT),,--draft-vocab $(DATA_OUT)/draft_vocab.safetensors)) \
@@ -144,7 +146,7 @@ define abl_train
 endef
 define abl_bench
 	$(BIN)/python bench/bench_acceptance.py --draft $(ABL_DIR)/$(1)/draft --data $(DATA) --datasets mt_bench,gsm8k \
-	    --n 10 --max-new-tokens 128 --dtype bfloat16 --threads $(THREADS) $(ABL_TREE) --out results/ablation_$(1).json
+	    --n 10 --max-new-tokens 128 --threads $(THREADS) $(ABL_TREE) --out results/ablation_$(1).json
 
 endef
 ablation: $(STAMP)  ## EAGLE-3 vs EAGLE-3.1 vs top layer only vs + feature loss at one budget -> results/ablation.{json,md}

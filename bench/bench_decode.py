@@ -20,7 +20,7 @@ from sglang_eagle3.bench import run_cli  # noqa: E402
 from sglang_eagle3.bench.report import (format_table, run_metadata, save_figure, sibling, subplots,  # noqa: E402
                                         write_json_atomic, write_text_atomic)
 from sglang_eagle3.config import SpecConfig  # noqa: E402
-from sglang_eagle3.generate_cli import resolve_target, shipped_draft  # noqa: E402
+from sglang_eagle3.generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES, resolve_dtype, resolve_target, shipped_draft  # noqa: E402
 from sglang_eagle3.prompts import data_dir  # noqa: E402
 
 PARTS = ("speed", "step", "trees", "profile", "llamacpp", "compile", "divergence")
@@ -41,7 +41,7 @@ def parser():
     ap.add_argument("--target", default="testbed")
     ap.add_argument("--draft", default=None, help="trained draft for the tree part (default: the shipped one)")
     ap.add_argument("--data", default=data_dir())
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU path: CUDA graphs vs eager)")
     ap.add_argument("--n", type=int, default=6, help="MT-bench first turns for the speed part (batch 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -65,6 +65,7 @@ def parser():
 def run(argv=None) -> int:
     from sglang_eagle3.cli import UserError
     a = parser().parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype, a.device)
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in PARTS]
     if bad:

@@ -235,8 +235,9 @@ PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
 
 def host_kind(device: str = "cpu") -> str:
     """The kind of machine a speculation profile's per-host tables ('by_host') are keyed by: 'cuda' on GPUs, else
-    the CPU's few-row kernel ('amx' or 'avx512_bf16', kernels.status()) or 'cpu'. The best tree follows from what
-    a wider verify costs, and that differs by kind (AMX tiles verify 8 tokens for ~1.2x a 1-token step)."""
+    the CPU's few-row bf16 kernel ('amx', 'avx512_bf16' or 'avx2', kernels.status()), else 'cpu' (no C++
+    extension). The best tree follows from what a wider verify costs, and that differs by kind (AMX tiles verify
+    8 tokens for ~1.2x a 1-token step, the AVX2 kernel 3 tokens for ~1.5x)."""
     if str(device).startswith("cuda"):
         return "cuda"
     from . import kernels

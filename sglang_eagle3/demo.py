@@ -7,7 +7,7 @@ import os
 import torch
 
 from . import kernels
-from .generate_cli import DTYPES, add_compile_arg, add_spec_args, apply_compile_arg, load_engine, resolve_spec, resolve_target, shipped_draft
+from .generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args, apply_compile_arg, load_engine, resolve_dtype, resolve_spec, resolve_target, shipped_draft
 from .prompts import data_dir, load_prompts
 from .verify import SamplingParams
 
@@ -21,11 +21,12 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=data_dir())
     ap.add_argument("--n", type=int, default=3, help="MT-bench prompts to run")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
     add_spec_args(ap)
     add_compile_arg(ap)
     a = ap.parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype)
     apply_compile_arg(a)
     import time as _time
     t0 = _time.perf_counter()
@@ -51,7 +52,9 @@ def main(argv=None) -> int:
     spec_engine = load_engine(None, draft, spec, a.dtype)
     spec_engine.profile = profile                 # the tuned shape for each running batch size
     vanilla = load_engine(None, "none", spec, a.dtype)
-    runtime = ("compiled CPU path: prepacked oneDNN bf16 linears + C++ attention/norm kernels "
+    few = kernels.status()["few_row_kernel"]
+    linears = {"amx": "AMX tile", "avx512_bf16": "AVX-512 BF16", "avx2": "AVX2 + FMA (bf16 weights widened in registers)"}
+    runtime = (f"compiled CPU path: {linears.get(few, 'oneDNN')} bf16 linears + C++ attention/norm kernels "
                f"(extension loaded in {ext_s:.1f} s; built once at install)" if ext is not None else
                "eager PyTorch" + (f" (C++ extension unavailable: {kernels.status()['extension_error']})"
                                   if a.compile == "auto" else " (--compile off)"))

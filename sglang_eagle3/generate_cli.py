@@ -13,6 +13,22 @@ from .prompts import load_prompts
 from .testbed import resolve_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ["auto", *DTYPES]
+AUTO_DTYPE_HELP = ("auto (default): bfloat16 on GPUs and on CPUs where the engine has a bf16 kernel (AVX-512 BF16, "
+                   "AMX, or AVX2 + FMA with the C++ extension built), else float32")
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """--dtype auto: bfloat16 on GPUs and on CPUs where our engine computes bf16 products fast: natively (AVX-512
+    BF16, AMX) or with csrc's AVX2 kernel (bf16 weights widened to fp32 in registers: decode reads half the
+    bytes). float32 elsewhere: PyTorch's emulated bf16 products run 3-100x slower than fp32 there."""
+    if name != "auto":
+        return name
+    if str(device).startswith("cuda"):
+        return "bfloat16"
+    from . import kernels
+    fast = kernels.cpu_has_bf16() or (kernels.mode() != "off" and kernels.few_row_isa() == "avx2")
+    return "bfloat16" if fast else "float32"
 
 
 def shipped_draft() -> str | None:
@@ -26,8 +42,9 @@ def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: 
     from .draft import Eagle3DraftModel
     from .engine import SpeculativeEngine
     from .target import TargetModel
+    dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     target_path = resolve_target(target)
     draft_model = load_draft(draft, DTYPES[dtype], device) if draft and draft != "none" else None
     aux = draft_model.config.aux_layer_ids if draft_model is not None else None

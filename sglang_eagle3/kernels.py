@@ -64,14 +64,14 @@ def build_dir() -> str:
     another (a cache copied to a CPU without AMX), and an edited header rebuilds (torch hashes only sources)."""
     import hashlib
     from .testbed import cache_dir
-    h = hashlib.sha1(_cpu_flags().encode())
+    h = hashlib.sha1(cpu_flags().encode())
     for name in sorted(os.listdir(CSRC)):
         with open(os.path.join(CSRC, name), "rb") as f:
             h.update(name.encode() + f.read())
     return os.path.join(cache_dir(), "torch_extensions", f"torch{torch.__version__.split('+')[0]}-{h.hexdigest()[:12]}")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -104,8 +104,16 @@ def status() -> dict:
     ext = extension()
     return {"mode": _mode, "extension": ext is not None, "extension_error": _ext_error,
             "packed_linear": _mode != "off" and packing_supported(torch.bfloat16),
-            "few_row_kernel": ("amx" if amx_active() else "avx512_bf16" if ext.has_bf16_dot() else None)
-            if ext is not None else None}
+            "few_row_kernel": ("amx" if amx_active() else few_row_isa() or None) if ext is not None else None}
+
+
+def few_row_isa() -> str:
+    """What csrc's few-row bf16 kernel (linear_bf16) was built with: 'avx512_bf16', 'avx2' (AVX2 + FMA: bf16
+    weights widened to fp32 in registers) or '' (none)."""
+    ext = extension()
+    if ext is None:
+        return ""
+    return ext.few_row_isa() if hasattr(ext, "few_row_isa") else ("avx512_bf16" if ext.has_bf16_dot() else "")
 
 
 # ---- linear ----------------------------------------------------------------------------------------
@@ -114,15 +122,19 @@ def packing_supported(dtype: torch.dtype) -> bool:
     reference path: prepacked fp32 matmuls reorder the sums)."""
     if dtype != torch.bfloat16 or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
-    return torch.backends.mkldnn.is_available() and _cpu_has_bf16()
+    return torch.backends.mkldnn.is_available() and cpu_has_bf16()
 
 
-def _cpu_has_bf16() -> bool:
-    flags = _cpu_flags()
+def cpu_has_bf16() -> bool:
+    """The CPU computes in bf16 natively (AVX-512 BF16 or AMX). Without it PyTorch's bf16 matmuls are emulated:
+    3-6x slower than fp32 at a decode step's few rows, ~100x on large products (a 2048^3 product: 114 s vs 0.6 s
+    on a 2-core AVX2 EPYC)."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (decode, verify, draft steps)
+ALL_ROWS = 1 << 62  # AVX2 without native bf16: csrc's kernel serves every product (oneDNN's bf16 is emulated there)
 SMALL_M_AMX = 128  # the same for its AMX tile kernel
 _amx = os.environ.get("EAGLE3_AMX", "auto")            # auto | off: the AVX-512 BF16 kernel even where AMX runs
 
@@ -151,7 +163,9 @@ class using_amx:
 def small_m(packed: Optional[torch.Tensor] = None) -> int:
     """Rows up to which the few-row kernel (of this packed weight; default: the one built now) serves a product."""
     amx = packed.dim() == 6 if packed is not None else amx_active()
-    return SMALL_M_AMX if amx else SMALL_M
+    if amx:
+        return SMALL_M_AMX
+    return ALL_ROWS if few_row_isa() == "avx2" else SMALL_M
 
 
 class PackedLinear:
@@ -161,30 +175,36 @@ class PackedLinear:
     but bound by its dot products from ~4 rows on). Either way over weights packed for it, and a row's result does
     not depend on how many rows come with it;
     more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
+    bf16 on an AVX2 CPU without native bf16: csrc's kernel for every row count (bf16 weights widened in registers,
+    fp32 FMAs: decode reads half fp32's bytes; PyTorch's emulated bf16 products run 3-100x slower), no other copy.
     Otherwise F.linear on the weight itself."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: Optional[bool] = None):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
+        avx2 = (pack is None and _mode != "off" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                and not cpu_has_bf16() and few_row_isa() == "avx2")
         if pack is None:
             pack = _mode != "off" and weight.device.type == "cpu" and packing_supported(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if pack else None
-        ext = extension() if pack else None
+        ext = extension() if pack or avx2 else None
         if ext is not None and amx_active():
             self.small = ext.pack_amx(weight)
         else:
-            self.small = ext.pack_bf16(weight) if ext is not None and ext.has_bf16_dot() else None
+            self.small = ext.pack_bf16(weight) if ext is not None and few_row_isa() else None
         self.small_m = small_m(self.small) if self.small is not None else 0
         self.bias32 = None if self.bias is None else self.bias.float()
-        self.weight = None if pack else weight          # no unpacked copy when packed
+        self.weight = None if pack or avx2 else weight  # no unpacked copy when packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.small_m and x2.dtype == torch.bfloat16:
+        if self.packed is None:                         # AVX2: the few-row kernel is the only copy of the weight
+            y = extension().linear_bf16(x2.to(torch.bfloat16), self.small, self.out_features, self.bias32).to(x.dtype)
+        elif x2.shape[0] <= self.small_m and x2.dtype == torch.bfloat16:
             y = extension().linear_bf16(x2, self.small, self.out_features, self.bias32)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

@@ -59,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
     g = p.add_argument_group("builtin engine")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): bfloat16 on GPUs and on CPUs with a bf16 kernel (AVX-512 BF16, AMX, AVX2 + FMA), "
+                        "else float32")
     g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 503")
     g.add_argument("--compile", choices=["auto", "off"], default="auto",
                    help="auto: the compiled CPU kernels (default); off: eager PyTorch")
@@ -241,12 +243,14 @@ def serve_builtin(args, extra: list[str]) -> int:
                       args.num_draft_tokens or DEFAULT_SPEC.num_draft_tokens)
     if draft and not args.skip_check:
         run_draft_check(target, draft)
+    from .generate_cli import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype)
     state = build_state(target, draft, args.dtype, spec, profile, args.batch_size or 32, args.max_queue,
                         args.max_len or 4096)
     how = (f"adaptive speculation from {profile.source}" if profile else
            f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens}" if draft
            else "no speculation")
-    print(f"eagle3 serve: builtin engine, {how}", file=sys.stderr, flush=True)
+    print(f"eagle3 serve: builtin engine, {how} ({args.dtype})", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
     return run_server(state, args.host, args.port)

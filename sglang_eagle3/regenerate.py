@@ -169,6 +169,7 @@ class RegenStats:
     empty_answers: int = 0
     too_long: int = 0         # turns whose prompt + max_new_tokens exceed the target's context (skipped)
     turns_dropped: int = 0    # user turns without an answer (an empty answer ends its conversation)
+    left_for_later: int = 0   # conversations not started within --time-budget (a rerun answers them)
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -201,9 +202,14 @@ def load_conversations(inputs: list[str], fmt: Optional[str] = None, max_rows: O
 
 def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_size: int = 16,
                max_turns: Optional[int] = None, overwrite: bool = False, progress: bool = True,
-               stats: Optional[RegenStats] = None) -> RegenStats:
-    """Generate answers for every conversation not yet in OUT.partial; rename to OUT when all are done."""
+               stats: Optional[RegenStats] = None, time_budget_s: Optional[float] = None) -> RegenStats:
+    """Generate answers for every conversation not yet in OUT.partial; rename to OUT when all are done.
+
+    time_budget_s: start no batch after this many seconds and write OUT with the rows done so far (the shortest
+    prompts: they are answered first); a later call without it goes on from there."""
+    import time
     from tqdm import tqdm
+    t0 = time.monotonic()
     stats = stats or RegenStats()
     partial = out + ".partial"
     if overwrite:
@@ -229,6 +235,9 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
         with open(partial, "a", encoding="utf-8") as f, \
                 tqdm(total=len(todo), desc="regenerating", unit=" conv", disable=not progress) as bar:
             for i in range(0, len(todo), batch_size):
+                if time_budget_s is not None and time.monotonic() - t0 >= time_budget_s:
+                    stats.left_for_later = len(todo) - i
+                    break
                 batch = todo[i:i + batch_size]
                 histories = regenerate_batch(batch, generator, max_turns, stats)
                 rows = []
@@ -304,6 +313,9 @@ def run(args) -> int:
     stats = RegenStats()
     if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
         raise UserError("--max-prompt-chars must be >= 1")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UserError("--time-budget must be > 0 minutes")
+    budget_s = None if args.time_budget is None else 60.0 * args.time_budget
     convs = load_conversations(args.inputs, args.format, args.max_rows, stats, args.max_prompt_chars)
     if os.path.exists(args.out) and not args.overwrite and all(c.key in _scan_partial(args.out) for c in convs):
         print(f"{args.out} is already complete; pass --overwrite to regenerate it (or a larger --max-rows / "
@@ -315,7 +327,8 @@ def run(args) -> int:
         try:
             gen = OpenAIGenerator(args.server, args.model, args.api_key, args.max_new_tokens, args.temperature,
                                   args.concurrency, args.request_timeout, args.max_retries)
-            regenerate(convs, gen, args.out, args.batch_size, args.max_turns, args.overwrite, not args.quiet, stats)
+            regenerate(convs, gen, args.out, args.batch_size, args.max_turns, args.overwrite, not args.quiet, stats,
+                       budget_s)
         except OpenAIError as e:
             raise UserError(f"--server {args.server}: {type(e).__name__}: {e}; finished rows are kept in "
                             f"{args.out}.partial, rerun to resume") from None
@@ -326,9 +339,10 @@ def run(args) -> int:
                               args.max_new_tokens, args.temperature, args.batch_size, args.seed)
         # the engine batches continuously: hand it several batches' worth of conversations per call
         regenerate(convs, gen, args.out, args.write_every or 4 * args.batch_size, args.max_turns, args.overwrite,
-                   not args.quiet, stats)
+                   not args.quiet, stats, budget_s)
     print(json.dumps(stats.as_dict(), indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (f" ({stats.left_for_later} conversations left for a rerun: --time-budget "
+                                 f"{args.time_budget:g} min spent)" if stats.left_for_later else ""))
     return 0
 
 
@@ -358,6 +372,9 @@ def add_cli(sub) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="skip conversations whose system + user text is longer (counted; they are answered last "
                         "anyway, shortest prompts first); a larger value on a finished OUT adds the skipped ones")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="start no batch after this many minutes and write OUT with the rows done (shortest prompts "
+                        "first); rerunning goes on with the rest")
     p.add_argument("--overwrite", action="store_true", help="redo a finished OUT")
     p.add_argument("--quiet", action="store_true")
     from .generate_cli import add_spec_args

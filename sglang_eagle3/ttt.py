@@ -354,7 +354,7 @@ def grow_every_chain_default(device: torch.device) -> bool:
     extra matrix products cheap, and selecting the scored chains costs gathers and scatters that do not get
     faster; bench_trainer: packed bf16 936 vs 746 tokens/s) yes; elsewhere (AVX-512 CPUs, GPUs) only the
     chains a later step scores (1.13x faster than every chain on a 2-core AVX-512 BF16 CPU)."""
-    return device.type == "cpu" and "amx_bf16" in kernels._cpu_flags()
+    return device.type == "cpu" and "amx_bf16" in kernels.cpu_flags()
 
 
 def chains_to_grow(needed: torch.Tensor, ttt_length: int) -> list[Optional[torch.Tensor]]:

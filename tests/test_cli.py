@@ -269,3 +269,27 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
                                 "sampled": [1]}))
     with pytest.raises(ConfigError, match="sampled"):
         SpecProfile.load(str(path))
+
+
+def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
+    """--dtype auto (serve, demo, benches): bfloat16 on GPUs and on CPUs where the engine computes bf16 products
+    fast (AVX-512 BF16, AMX, or csrc's AVX2 kernel); float32 on other CPUs, where PyTorch's bf16 products are
+    emulated (several times slower than fp32). Explicit names pass through."""
+    from sglang_eagle3 import kernels
+    from sglang_eagle3.config import host_kind
+    from sglang_eagle3.generate_cli import resolve_dtype
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma f16c")
+    monkeypatch.setattr(kernels, "few_row_isa", lambda: "avx2")
+    assert resolve_dtype("auto") == "bfloat16"                   # csrc's AVX2 kernel
+    with kernels.using("off"):
+        assert resolve_dtype("auto") == "float32"                # --compile off: PyTorch's emulated bf16
+    monkeypatch.setattr(kernels, "few_row_isa", lambda: "")      # no extension (no compiler)
+    assert resolve_dtype("auto") == "float32" and resolve_dtype("auto", "cuda:0") == "bfloat16"
+    assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32", "cuda") == "float32"
+    monkeypatch.setattr(kernels, "status", lambda: {"few_row_kernel": "avx2"})
+    assert host_kind() == "avx2" and host_kind("cuda") == "cuda"
+    monkeypatch.setattr(kernels, "status", lambda: {"few_row_kernel": None})   # no extension: fp32, no bf16 table
+    assert host_kind() == "cpu"
+    for flags in ("flags : avx2 avx512f avx512_bf16", "flags : avx512_bf16 amx_bf16 amx_tile"):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
+        assert resolve_dtype("auto") == "bfloat16"

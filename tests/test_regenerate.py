@@ -107,6 +107,29 @@ def test_resume_after_kill_no_lost_or_duplicated_rows(chats, tmp_path):
     assert regenerate(convs, FakeGenerator(fail_after=0), str(out), progress=False).already_done == len(convs)
 
 
+def test_time_budget_writes_the_rows_done_and_a_rerun_goes_on(chats, tmp_path):
+    import time
+
+    class Slow(FakeGenerator):
+        def generate(self, prompts):
+            time.sleep(0.3)
+            return super().generate(prompts)
+
+    convs = load_conversations([chats])
+    out = tmp_path / "out.jsonl"
+    stats = regenerate(convs, Slow(), str(out), batch_size=2, progress=False, time_budget_s=0.25)
+    first = read_out(out)                     # a finished file (not .partial) with the first batch only
+    assert len(first) == 2 and stats.left_for_later == len(convs) - 2
+    assert not (tmp_path / "out.jsonl.partial").exists()
+    from sglang_eagle3.regenerate import _prompt_chars
+    assert {r["key"] for r in first} == {c.key for c in sorted(convs, key=_prompt_chars)[:2]}   # shortest first
+    stats = regenerate(convs, FakeGenerator(), str(out), batch_size=2, progress=False)
+    rows = read_out(out)
+    assert stats.already_done == 2 and stats.left_for_later == 0
+    assert [r["key"] for r in rows] == [c.key for c in convs]            # the rest added, input order, once each
+    assert [r for r in rows if r["key"] in {f["key"] for f in first}] == first   # the earlier rows kept as they were
+
+
 def test_output_loads_as_training_data(chats, tmp_path):
     from sglang_eagle3.data import read_source, parse_source
     out = tmp_path / "out.jsonl"

@@ -444,13 +444,9 @@ def test_checkpoint_export_and_learning_curve(setup, tmp_path):
     assert [r["tokens_seen"] for r in recs][-1] == s["tokens_seen"]
 
 
-def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypatch):
-    """A rerun measures only new checkpoints and keeps points whose checkpoints were rotated away; a rewritten
-    checkpoint, changed settings or --fresh measure again; tokens count on across runs."""
+def fake_curve_sets(tmp_path, monkeypatch) -> list:
+    """One-prompt MT-bench and GSM8K files, and a τ measurement that records which drafts it was asked for."""
     from sglang_eagle3.bench import curve
-    run1, run2 = tmp_path / "r1", tmp_path / "r2"
-    Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
-    Trainer(small_cfg(setup, run2, max_steps=2, save_every=1, keep_checkpoints=2, keep_every=0)).run()
     for name in ("mt_bench", "gsm8k"):
         (tmp_path / f"{name}.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n')
     measured = []
@@ -459,6 +455,17 @@ def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypat
         measured.append(draft_dir)
         return {k: 1.0 + len(measured) / 10 for k in prompts}
     monkeypatch.setattr(curve, "measure_tau", fake_tau)
+    return measured
+
+
+def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypatch):
+    """A rerun measures only new checkpoints and keeps points whose checkpoints were rotated away; a rewritten
+    checkpoint, changed settings or --fresh measure again; tokens count on across runs."""
+    from sglang_eagle3.bench import curve
+    run1, run2 = tmp_path / "r1", tmp_path / "r2"
+    Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
+    Trainer(small_cfg(setup, run2, max_steps=2, save_every=1, keep_checkpoints=2, keep_every=0)).run()
+    measured = fake_curve_sets(tmp_path, monkeypatch)
     out = str(tmp_path / "curve.json")
     argv = ["--run", str(run1), "--run", str(run2), "--target", setup[1], "--dtype", "float32", "--n", "1",
             "--datasets", f"{tmp_path}/mt_bench.jsonl,{tmp_path}/gsm8k.jsonl", "--num-steps", "1", "--topk", "1",
@@ -477,3 +484,35 @@ def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypat
     assert curve.run(argv) == 0 and len(measured) == 5                      # that checkpoint only
     assert curve.run([*argv[:-2], "--topk", "2", "--num-draft-tokens", "3", "--out", out]) == 0 and len(measured) == 8   # other tree
     assert curve.run([*argv, "--fresh"]) == 0 and len(measured) == 11
+
+
+def test_learning_curve_goes_on_when_run_folders_are_gone(setup, tmp_path, monkeypatch):
+    """On another machine the run folders are gone: their points and held-out evals stay in --out; a run whose
+    checkpoints are gone but whose final draft was kept adds one point at its end, measured once."""
+    from sglang_eagle3.bench import curve
+    from sglang_eagle3.cli import UserError
+    run1 = tmp_path / "r1"
+    s = Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
+    measured = fake_curve_sets(tmp_path, monkeypatch)
+    out = str(tmp_path / "curve.json")
+    common = ["--target", setup[1], "--dtype", "float32", "--n", "1", "--num-steps", "1", "--topk", "1",
+              "--datasets", f"{tmp_path}/mt_bench.jsonl,{tmp_path}/gsm8k.jsonl", "--num-draft-tokens", "2",
+              "--out", out]
+    assert curve.run(["--run", str(run1), *common]) == 0 and len(measured) == 2
+    first = json.load(open(out))
+    shipped = shutil.copytree(s["export"], tmp_path / "shipped")
+    shutil.rmtree(run1)                                    # a new machine: the run folder is gone
+    final = f"{tmp_path / 'r2'}={shipped}:1000"           # a run of which only the final draft is left
+    assert curve.run(["--run", str(run1), "--run", final, *common]) == 0 and len(measured) == 3
+    again = json.load(open(out))
+    assert again["points"][:2] == first["points"] and again["evals"] == first["evals"]
+    end = again["points"][2]
+    assert end["step"] == "end" and end["tokens_total"] == first["points"][-1]["tokens_total"] + 1000
+    assert end["tau"]["gsm8k"] == 1.3
+    shutil.rmtree(shipped)                                # the draft shipped then is replaced later: kept too
+    assert curve.run(["--run", str(run1), "--run", str(tmp_path / "r2"), *common]) == 0 and len(measured) == 3
+    assert json.load(open(out))["points"] == again["points"]
+    for bad, msg in ((str(tmp_path / "r9"), "no checkpoints/ folder, and"), (f"{tmp_path / 'r3'}=x:0", "DIR=DRAFT:TOKENS"),
+                     (f"{tmp_path / 'r3'}={tmp_path}:5", "not a draft folder")):
+        with pytest.raises(UserError, match=msg):
+            curve.run(["--run", str(run1), "--run", bad, *common])

@@ -166,10 +166,10 @@ def test_grow_every_chain_default_follows_the_cpu(monkeypatch):
     from sglang_eagle3 import kernels, ttt
     import argparse
     from sglang_eagle3.trainer.cli import add_train_args, train_config
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16 amx_tile")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16 amx_tile")
     assert ttt.grow_every_chain_default(torch.device("cpu"))
     assert not ttt.grow_every_chain_default(torch.device("cuda"))
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx512f avx512_bf16")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : avx512f avx512_bf16")
     assert not ttt.grow_every_chain_default(torch.device("cpu"))
     p = argparse.ArgumentParser()
     add_train_args(p)

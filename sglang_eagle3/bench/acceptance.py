@@ -189,7 +189,7 @@ def plot_histograms(result: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import DTYPES, add_compile_arg, add_spec_args
+    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args
     from ..prompts import data_dir
     p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", required=True, help="results JSON; the table goes to .md and the histogram to _hist.png")
     p.add_argument("--fresh", action="store_true", help="ignore sets already in --out (default: resume them "
@@ -239,11 +239,12 @@ def run(argv=None) -> int:
     from tqdm import tqdm
     from ..cli import UserError
     from ..engine import SpeculativeEngine
-    from ..generate_cli import apply_compile_arg, load_engine, resolve_spec, resolve_target, shipped_draft
+    from ..generate_cli import apply_compile_arg, load_engine, resolve_dtype, resolve_spec, resolve_target, shipped_draft
     from ..prompts import load_prompts
     from ..verify import SamplingParams
 
     a = build_parser().parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype)
     apply_compile_arg(a)
     if a.n < 1:
         raise UserError(f"--n must be >= 1, got {a.n}")

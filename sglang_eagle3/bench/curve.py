@@ -8,6 +8,11 @@ metrics.jsonl. Writes JSON and a PNG of τ and acc_0 against training tokens.
 Rerunning with the same --out, tree, prompts and dtype measures only checkpoints it has not measured yet (a run
 that went on keeps its earlier points, also those whose checkpoints were rotated away since; a checkpoint rewritten
 since, e.g. by a run trained again with --overwrite, is measured again); --fresh measures all.
+
+Runs live in caches that a move to another machine loses, so the curve is kept in --out: a --run whose folder is
+gone keeps the points and held-out evals --out has for it, and `--run DIR=DRAFT:TOKENS` adds the end of a run
+whose checkpoints are gone but whose final draft was kept (DRAFT, e.g. the shipped one, TOKENS into that run):
+one point, measured once, at the run's end.
 """
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ def build_parser():
     from ..generate_cli import add_spec_args
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True,
-                   help="training run folder (repeatable: runs continued with --init-from, in order)")
+                   help="training run folder (repeatable: runs continued with --init-from, in order); a folder that "
+                        "is gone keeps its points from --out; DIR=DRAFT:TOKENS: the run ended as the exported draft "
+                        "DRAFT after TOKENS tokens (one point, for a run whose checkpoints are gone)")
     p.add_argument("--target", default="testbed")
     p.add_argument("--data", default=None)
     p.add_argument("--datasets", default="mt_bench,gsm8k")
@@ -75,15 +82,45 @@ def run(argv=None) -> int:
     settings = {"tree": {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens},
                 "n": a.n, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "datasets": sorted(sets)}
     cached = {} if a.fresh else earlier_points(a.out, settings)
+    old_evals = earlier_evals(a.out)
     points, evals, offset = [], [], 0
-    for run_dir in a.run:
+    for arg in a.run:
+        run_dir, final = parse_run_arg(arg)
+        key = os.path.abspath(run_dir)
         ckpt = os.path.join(run_dir, "checkpoints")
-        if not os.path.isdir(ckpt):
-            raise UserError(f"--run {run_dir}: no checkpoints/ folder")
-        recs = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.isfile(metrics):
+            recs = [r for r in read_metrics(metrics) if r.get("split") == "eval"]
+        else:                                             # the run folder is gone: its evals as --out kept them
+            recs = old_evals.get(key, [])
         evals += [{**r, "tokens_total": offset + r.get("tokens_seen", 0), "run": run_dir} for r in recs]
+        if final is not None and not os.path.isdir(ckpt):   # only the run's final draft is left
+            draft_dir, tokens = final
+            known = [p for p in cached.get(key, []) if p["tokens_seen"] == tokens]
+            if known:
+                tau = known[-1]["tau"]
+            else:
+                if not os.path.isfile(os.path.join(draft_dir, "config.json")):
+                    raise UserError(f"--run {arg}: {draft_dir} is not a draft folder (no config.json)")
+                tau = measure_tau(target, draft_dir, spec, prompts, a.max_new_tokens, a.dtype)
+            points.append({"run": key, "step": "end", "tokens_seen": tokens, "tokens_total": offset + tokens,
+                           "tau": tau, "written": None, "draft": os.path.abspath(draft_dir)})
+            print(f"{run_dir} end ({draft_dir}): {offset + tokens:,} tokens, τ "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in tau.items()) + (" (earlier)" if known else ""),
+                  file=sys.stderr, flush=True)
+            offset += tokens
+            continue
+        if not os.path.isdir(ckpt):                       # gone (another machine): the points --out has for it
+            if not cached.get(key):
+                raise UserError(f"--run {run_dir}: no checkpoints/ folder, and {a.out} has no points of that run "
+                                f"measured with these settings")
+            for p in cached[key]:
+                points.append({"run": key, **p, "tokens_total": offset + p["tokens_seen"]})
+            print(f"{run_dir}: folder gone, {len(cached[key])} earlier points kept", file=sys.stderr, flush=True)
+            offset += cached[key][-1]["tokens_seen"]
+            continue
         on_disk = {int(d.split("_")[1]): d for d in os.listdir(ckpt) if d.startswith("step_")}
-        known = {p["step"]: p for p in cached.get(os.path.abspath(run_dir), [])}
+        known = {p["step"]: p for p in cached.get(key, []) if p["step"] != "end"}
         last = 0
         for step in sorted(set(on_disk) | set(known)):
             written = os.stat(os.path.join(ckpt, on_disk[step], STATE_FILE)).st_mtime_ns if step in on_disk else None
@@ -98,7 +135,7 @@ def run(argv=None) -> int:
                     state = export_checkpoint(os.path.join(ckpt, on_disk[step]), out)
                     tau = measure_tau(target, out, spec, prompts, a.max_new_tokens, a.dtype)
                 last = state.get("tokens_seen", 0)
-            points.append({"run": os.path.abspath(run_dir), "step": step, "tokens_seen": last,
+            points.append({"run": key, "step": step, "tokens_seen": last,
                            "tokens_total": offset + last, "tau": tau, "written": written or known[step].get("written")})
             print(f"{run_dir} step {step}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
                   + (" (earlier)" if reuse else ""), file=sys.stderr, flush=True)
@@ -152,6 +189,36 @@ def trend_text(trends: dict, goal: float) -> str:
     return "\n".join(lines)
 
 
+def parse_run_arg(arg: str):
+    """'DIR' -> (DIR, None); 'DIR=DRAFT:TOKENS' -> (DIR, (DRAFT, TOKENS))."""
+    from ..cli import UserError
+    if "=" not in arg:
+        return arg, None
+    run_dir, _, rest = arg.partition("=")
+    draft_dir, _, tokens = rest.rpartition(":")
+    try:
+        n = int(tokens.replace(",", "").replace("_", ""))
+    except ValueError:
+        n = -1
+    if not run_dir or not draft_dir or n <= 0:
+        raise UserError(f"--run {arg}: expected DIR=DRAFT:TOKENS (the run's final draft and its tokens, > 0)")
+    return run_dir, (draft_dir, n)
+
+
+def earlier_evals(path: str) -> dict[str, list[dict]]:
+    """{abs run dir: held-out eval records} of an earlier --out (any settings: they come from the trainer)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for r in old.get("evals", []) if old.get("format") == FORMAT else []:
+        rec = {k: v for k, v in r.items() if k not in ("run", "tokens_total")}
+        out.setdefault(os.path.abspath(r.get("run", "")), []).append(rec)
+    return out
+
+
 def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
     """{abs run dir: points} of an earlier --out measured with the same settings; {} if none or different."""
     if not os.path.isfile(path):
@@ -174,7 +241,8 @@ def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
         prev_run, prev_total = run, p["tokens_total"]
         seen = p.get("tokens_seen", p["tokens_total"] - offset)  # files written before tokens_seen was stored
         by_run.setdefault(run, []).append({"step": p["step"], "tokens_seen": seen, "tau": p["tau"],
-                                           "written": p.get("written")})
+                                           "written": p.get("written"),
+                                           **({"draft": p["draft"]} if "draft" in p else {})})
     return by_run
 
 

@@ -93,6 +93,7 @@ def chat_text(tokenizer, prompt: str) -> str:
 
 # ---- the benchmark ------------------------------------------------------------------------------------
 def build_parser():
+    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
     import argparse
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed")
@@ -103,7 +104,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--draft-lengths", default="1,2,3,4", help="llama.cpp --spec-draft-n-max values (our chain length)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     p.add_argument("--out", default="results/bench_llamacpp.json")
     return p
 
@@ -114,11 +115,12 @@ def run(argv=None) -> int:
     from ..cli import UserError
     from ..config import SpecConfig
     from ..engine import SpeculativeEngine
-    from ..generate_cli import load_engine, resolve_target, shipped_draft
+    from ..generate_cli import load_engine, resolve_dtype, resolve_target, shipped_draft
     from ..prompts import data_dir, load_prompts
     from ..verify import SamplingParams
     from .acceptance import resolve_sets
     a = build_parser().parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype)
     if not llamacpp.is_built():
         raise UserError("no llama.cpp build: run `make llamacpp` first (~20 min on 2 cores)")
     lengths = [int(x) for x in a.draft_lengths.split(",")]

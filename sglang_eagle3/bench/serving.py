@@ -196,6 +196,7 @@ def plot(result: dict, path: str) -> str:
 
 # ---- command line ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="a running OpenAI-compatible server, e.g. vanilla=http://127.0.0.1:30000/v1 (repeatable; "
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="testbed")
     p.add_argument("--draft", default=None, help="with --start: the draft (default: the shipped one)")
     p.add_argument("--profile", default=None, help="with --start: speculation profile (default: the draft's own)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="with --start: " + AUTO_DTYPE_HELP)
     p.add_argument("--max-running", type=int, default=32, help="with --start: the servers' running-batch limit")
     p.add_argument("--data", default=None)
     p.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,alpaca,sum")

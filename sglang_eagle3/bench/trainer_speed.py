@@ -26,16 +26,29 @@ from . import report
 from ..ttt import chains_to_grow
 
 
-def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
+def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10, budget_s: float = 2.0) -> float:
+    """Best of `repeats` n x n matmuls after a warm-up. Sizes grow from 256 to n only while one product stays
+    quick: where a dtype has no native kernel (bf16 on a CPU without AVX-512 BF16: ~0.2 GFLOP/s) a 2048^3
+    product takes minutes, and the peak of such a path is that of its small products anyway."""
+    size = min(256, n)
+    while True:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        t0 = time.perf_counter()
         a @ b
-    best = float("inf")
-    for _ in range(repeats):
+        one = time.perf_counter() - t0
+        if size >= n or one * 8 > budget_s / 4:          # the next size would cost 8x as much
+            break
+        size *= 2
+    for _ in range(2):
+        a @ b
+    best, t_start = float("inf"), time.perf_counter()
+    for i in range(repeats):
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+        if i >= 1 and time.perf_counter() - t_start > budget_s:
+            break
+    return 2 * size ** 3 / best / 1e9
 
 
 def ttt_flops(cfg, T: int, K: int, vocab: int, needed=None, grow_every_chain: bool = False) -> float:

@@ -249,7 +249,7 @@ def plot_grid(rows: list[dict], best: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import DTYPES
+    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
     from ..prompts import data_dir
     p = argparse.ArgumentParser(prog="tune_spec.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculate at a batch size only if the best tree beats vanilla by this factor")
     p.add_argument("--adaptive-tolerance", type=float, default=0.05,
                    help="chain lengths within this fraction of the best chain become SGLang candidate_steps")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=AUTO_DTYPE_HELP + " (what eagle3 serve runs by default)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per SGLang request")
     p.add_argument("--out", required=True, help="profile JSON; .grid.json/.md/.png are written next to it")
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its table for sampling requests ('sampled'), which the engine and server then use")
     p.add_argument("--host-table-into", default=None, metavar="PROFILE",
                    help="also store this run's best trees in PROFILE as the table for this kind of host "
-                        "(by_host[amx|avx512_bf16|cpu]; with --temperature > 0 that host's sampled table), which "
+                        "(by_host[amx|avx512_bf16|avx2|cpu]; with --temperature > 0 that host's sampled table), which "
                         "the engine and server use on such hosts; the rest of PROFILE stays as it is")
     return p
 
@@ -299,7 +300,8 @@ def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
     kind = host_kind("cpu")
     entry = dict(prof.get("by_host", {}).get(kind, {}))
     measured = {"dataset": setup["dataset"], "max_new_tokens": setup["max_new_tokens"],
-                "grid": os.path.abspath(grid_path), "cpu": report.run_metadata().get("cpu")}
+                "grid": os.path.abspath(grid_path), "cpu": report.run_metadata().get("cpu"),
+                **({"dtype": setup["dtype"]} if setup.get("dtype") else {})}
     if setup["temperature"] > 0:
         if "per_batch_size" not in entry:
             raise UserError(f"--host-table-into {path}: no greedy table for host kind {kind!r} yet "
@@ -350,12 +352,13 @@ def _differs(best: dict, adaptive: dict | None) -> list[int]:
 def run(argv=None) -> int:
     import torch
     from ..cli import UserError
-    from ..generate_cli import resolve_target, shipped_draft
+    from ..generate_cli import resolve_dtype, resolve_target, shipped_draft
     from ..prompts import load_prompts
     from .acceptance import resolve_sets
     from .measure import measure_engine, measure_server
 
     a = build_parser().parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype)
     a.batch_sizes = parse_ints(a.batch_sizes, "--batch-sizes")
     a.steps, a.topks = parse_ints(a.num_steps_grid, "--num-steps-grid"), parse_ints(a.topk_grid, "--topk-grid")
     a.ndts = parse_ints(a.num_draft_tokens_grid, "--num-draft-tokens-grid")

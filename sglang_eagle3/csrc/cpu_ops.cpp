@@ -39,6 +39,15 @@ inline float dot(const float* q, const T* k, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
     return _mm512_reduce_add_ps(acc);
   }
+#elif defined(E3_AVX2)
+  if (D % 16 == 0) {                     // two 8-lane chains (a scalar sum is one 4-cycle FMA chain per element)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+  }
 #endif
   float s = 0.f;
   for (int64_t d = 0; d < D; ++d) s += q[d] * to_f(k[d]);
@@ -203,6 +212,32 @@ inline float softmax_unnormalised(float* s, int64_t n) {
     vs = _mm512_add_ps(vs, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#elif defined(E3_AVX2)
+  // Lane = position mod 8, the last block padded with -inf, masked (-inf) entries exactly 0: the sum is the same
+  // whether or not masked entries trail (a tree verify's query vs the one-token step that decodes the same token),
+  // so speculative and vanilla decoding normalise alike.
+  const __m256 vm = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vs = _mm256_setzero_ps();
+  for (; i < n; i += 8) {
+    const int64_t r = std::min<int64_t>(8, n - i);
+    alignas(32) float tmp[8];
+    __m256 x;
+    if (r == 8) {
+      x = _mm256_loadu_ps(s + i);
+    } else {
+      for (int j = 0; j < 8; ++j) tmp[j] = j < r ? s[i + j] : -std::numeric_limits<float>::infinity();
+      x = _mm256_load_ps(tmp);
+    }
+    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(x, vm)));
+    if (r == 8) {
+      _mm256_storeu_ps(s + i, e);
+    } else {
+      _mm256_store_ps(tmp, e);
+      std::memcpy(s + i, tmp, r * sizeof(float));
+    }
+    vs = _mm256_add_ps(vs, e);
+  }
+  sum = hsum8(vs);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
@@ -657,6 +692,62 @@ inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh*
     default: return;
   }
 }
+#elif defined(E3_AVX2)
+// AVX2 + FMA, no bf16 instructions (e.g. AMD Zen 2/3): the same packed layout. A 32-byte load holds, for 8 outputs,
+// the pair k = 2p, 2p + 1 as the low and high half of each 32-bit lane, so the lane shifted up by 16 and the lane
+// with its low half cleared are those two weights as fp32: two FMAs per 8 outputs and pair, the weights read once
+// as bf16 (half fp32's bytes: decode is bound by them). 4 chunks of 8 outputs x MT rows of accumulators; the sum
+// over k runs in the same order whatever MT is, so a row's result does not depend on the rows beside it.
+template <int MT>
+inline void fma_group(const uint16_t* x, int64_t K, const uint16_t* G, int64_t KP, const float* bias,
+                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
+  __m256 acc[4][MT];
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
+  const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m256i* W = reinterpret_cast<const __m256i*>(G + p * 64);     // 2 blocks x 16 outputs x 2 values
+    _mm_prefetch(reinterpret_cast<const char*>(G + (p + 16) * 64), _MM_HINT_T0);   // 2 KB ahead in the stream
+    __m256 x0[MT], x1[MT];
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; ++t) {
+      uint32_t pair;
+      std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
+      x0[t] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair << 16)));
+      x1[t] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair & 0xFFFF0000u)));
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i w = _mm256_loadu_si256(W + c);
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+#pragma GCC unroll 4
+      for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_fmadd_ps(w1, x1[t], _mm256_fmadd_ps(w0, x0[t], acc[c][t]));
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    const int64_t nb = n0 + 8 * c, valid = std::min<int64_t>(8, N - nb);
+    if (valid <= 0) break;
+    for (int t = 0; t < MT; ++t) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[c][t]);
+      at::BFloat16* yr = y + (m0 + t) * N + nb;
+      for (int64_t i = 0; i < valid; ++i) yr[i] = at::BFloat16(out[i] + (bias ? bias[nb + i] : 0.f));   // RNE once
+    }
+  }
+}
+
+inline void fma_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* G, int64_t KP, const float* bias,
+                     at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
+  switch (rows) {
+    case 3: return fma_group<3>(x, K, G, KP, bias, y, N, n0, m0);
+    case 2: return fma_group<2>(x, K, G, KP, bias, y, N, n0, m0);
+    case 1: return fma_group<1>(x, K, G, KP, bias, y, N, n0, m0);
+    default: return;
+  }
+}
 #endif
 }  // namespace
 
@@ -664,7 +755,7 @@ inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh*
 // (a weight packed by pack_amx goes to amx_linear.cpp's tile kernel)
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
   if (is_amx_packed(packed)) return linear_amx(x, packed, N, bias);
-#ifdef E3_BF16DOT
+#if defined(E3_BF16DOT) || defined(E3_AVX2)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
               packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 2,
               "linear_bf16: x [M, K] and a packed weight");
@@ -678,18 +769,29 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (bias && bias->defined()) bf = bias->to(at::kFloat).contiguous();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const __m512bh* P = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* P = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());   // 64 values per (g, p)
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // passes of up to 12 rows, as even as possible (16 rows: 8 + 8, not 12 + 4)
-  const int64_t passes = (M + 11) / 12, per_pass = (M + passes - 1) / passes;
+#ifdef E3_BF16DOT
+  constexpr int64_t MT_MAX = 12;   // 2 x 12 accumulators of 16 lanes
+#else
+  constexpr int64_t MT_MAX = 3;    // 4 chunks x 3 accumulators of 8 lanes, 2 x 3 broadcasts, the widened weights
+#endif
+  // passes of up to MT_MAX rows, as even as possible (16 rows with 12: 8 + 8, not 12 + 4)
+  const int64_t passes = (M + MT_MAX - 1) / MT_MAX, per_pass = (M + passes - 1) / passes;
   at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-        dot_rows(std::min(per_pass, M - m0), xp, Kx, P + g * KP * 2, KP, bp, yp, N, 32 * g, m0);
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+        const int64_t rows = std::min(per_pass, M - m0);
+#ifdef E3_BF16DOT
+        dot_rows(rows, xp, Kx, reinterpret_cast<const __m512bh*>(P) + g * KP * 2, KP, bp, yp, N, 32 * g, m0);
+#else
+        fma_rows(rows, xp, Kx, P + g * KP * 64, KP, bp, yp, N, 32 * g, m0);
+#endif
+      }
   });
   return y;
 #else
-  TORCH_CHECK(false, "linear_bf16: this build has no AVX-512 BF16 (compile with -march=native on such a CPU)");
+  TORCH_CHECK(false, "linear_bf16: this build has neither AVX-512 BF16 nor AVX2 + FMA (compile with -march=native)");
 #endif
 }
 
@@ -845,10 +947,22 @@ bool has_bf16_dot() {
 #endif
 }
 
+// the instructions linear_bf16's few-row kernel was built with: "avx512_bf16", "avx2" or "" (none)
+std::string few_row_isa() {
+#if defined(E3_BF16DOT)
+  return "avx512_bf16";
+#elif defined(E3_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight");
   m.def("has_bf16_dot", &has_bf16_dot, "built with AVX-512 BF16 dot products");
+  m.def("few_row_isa", &few_row_isa, "the instructions linear_bf16 was built with (avx512_bf16, avx2 or none)");
   m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
   m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
   m.def("layer_step", &layer_step, "one decoder layer of a decode/verify step (bf16, packed weights)");

@@ -31,7 +31,9 @@ void topk_logprobs_impl(const E* x, int64_t R, int64_t V, int64_t k, float* vals
     for (; j + 16 <= V; j += 16) vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(load16(xr + j), vmx)));
     sum = _mm512_reduce_add_ps(vs);
 #endif
-    for (; j < V; ++j) sum += std::exp(to_f(xr[j]) - mx);
+    double tail = 0.0;                 // without AVX-512 the whole row: a double sum keeps it to fp32 rounding
+    for (; j < V; ++j) tail += std::exp(to_f(xr[j]) - mx);
+    sum += static_cast<float>(tail);
     // top-k by insertion into a sorted list of k: a value enters only if larger than the current k-th
     std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
     std::fill(arg.begin(), arg.end(), -1);

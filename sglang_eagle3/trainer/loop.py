@@ -133,8 +133,8 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """bfloat16 (autocast compute, fp32 master weights and optimizer) or float32. auto: bf16 on GPUs and on
     CPUs with AVX-512 BF16 / AMX (a TTT step measured ~1.6x faster than fp32 on 2 such cores), else fp32."""
     if name == "auto":
-        from ..kernels import _cpu_has_bf16
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+        from ..kernels import cpu_has_bf16
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
