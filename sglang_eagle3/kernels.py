@@ -111,9 +111,7 @@ def few_row_isa() -> str:
     """What csrc's few-row bf16 kernel (linear_bf16) was built with: 'avx512_bf16', 'avx2' (AVX2 + FMA: bf16
     weights widened to fp32 in registers) or '' (none)."""
     ext = extension()
-    if ext is None:
-        return ""
-    return ext.few_row_isa() if hasattr(ext, "few_row_isa") else ("avx512_bf16" if ext.has_bf16_dot() else "")
+    return ext.few_row_isa() if ext is not None else ""
 
 
 # ---- linear ----------------------------------------------------------------------------------------

@@ -81,8 +81,9 @@ def run(argv=None) -> int:
     target = TargetModel.from_pretrained(resolve_target(a.target), dtype=DTYPES[a.dtype])
     settings = {"tree": {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens},
                 "n": a.n, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "datasets": sorted(sets)}
-    cached = {} if a.fresh else earlier_points(a.out, settings)
-    old_evals = earlier_evals(a.out)
+    old = read_earlier(a.out)
+    cached = {} if a.fresh else earlier_points(old, settings)
+    old_evals = earlier_evals(old)
     points, evals, offset = [], [], 0
     for arg in a.run:
         run_dir, final = parse_run_arg(arg)
@@ -205,30 +206,29 @@ def parse_run_arg(arg: str):
     return run_dir, (draft_dir, n)
 
 
-def earlier_evals(path: str) -> dict[str, list[dict]]:
-    """{abs run dir: held-out eval records} of an earlier --out (any settings: they come from the trainer)."""
+def read_earlier(path: str) -> dict:
+    """An earlier --out (this format), or {} if there is none or it is unreadable."""
     try:
         with open(path) as f:
             old = json.load(f)
     except (OSError, ValueError):
         return {}
+    return old if isinstance(old, dict) and old.get("format") == FORMAT else {}
+
+
+def earlier_evals(old: dict) -> dict[str, list[dict]]:
+    """{abs run dir: held-out eval records} of an earlier --out (any settings: they come from the trainer)."""
     out = {}
-    for r in old.get("evals", []) if old.get("format") == FORMAT else []:
+    for r in old.get("evals", []):
         rec = {k: v for k, v in r.items() if k not in ("run", "tokens_total")}
         out.setdefault(os.path.abspath(r.get("run", "")), []).append(rec)
     return out
 
 
-def earlier_points(path: str, settings: dict) -> dict[str, list[dict]]:
-    """{abs run dir: points} of an earlier --out measured with the same settings; {} if none or different."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if old.get("format") != FORMAT or old.get("dtype", settings["dtype"]) != settings["dtype"] or any(
+def earlier_points(old: dict, settings: dict) -> dict[str, list[dict]]:
+    """{abs run dir: points} of an earlier --out (read_earlier) measured with the same settings; {} if none or
+    different."""
+    if not old or old.get("dtype", settings["dtype"]) != settings["dtype"] or any(
             old.get(k) != settings[k] for k in ("tree", "n", "max_new_tokens")):
         return {}
     by_run, offset, prev_run, prev_total = {}, 0, None, 0

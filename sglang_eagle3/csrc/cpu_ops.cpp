@@ -939,14 +939,6 @@ std::vector<at::Tensor> target_distribution(const at::Tensor& logits, const at::
   return {p, top};
 }
 
-bool has_bf16_dot() {
-#ifdef E3_BF16DOT
-  return true;
-#else
-  return false;
-#endif
-}
-
 // the instructions linear_bf16's few-row kernel was built with: "avx512_bf16", "avx2" or "" (none)
 std::string few_row_isa() {
 #if defined(E3_BF16DOT)
@@ -961,7 +953,6 @@ std::string few_row_isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight");
-  m.def("has_bf16_dot", &has_bf16_dot, "built with AVX-512 BF16 dot products");
   m.def("few_row_isa", &few_row_isa, "the instructions linear_bf16 was built with (avx512_bf16, avx2 or none)");
   m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
   m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
