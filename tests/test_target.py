@@ -219,6 +219,11 @@ def test_packed_linear_paths_agree(amx):
                 assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
                 if M > 1 and M <= lin.small_m:
                     assert torch.equal(lin(x[:1]), lin(x)[:1]) and torch.equal(lin(x[-1:]), lin(x)[-1:])  # row-invariant
+            if lin.small is not None:           # every pass plan (AVX2: 6 rows as 4 + 2, 12 as 11 + 1, ...)
+                x = torch.randn(24, Kd).to(torch.bfloat16)
+                one = torch.cat([lin(x[i:i + 1]) for i in range(24)])
+                for M in range(2, 25):
+                    assert torch.equal(lin(x[:M]), one[:M]), (N, Kd, M)                           # row-invariant
 
 
 def test_amx_and_avx512_kernels_round_alike():

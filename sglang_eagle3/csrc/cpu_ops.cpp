@@ -696,40 +696,50 @@ inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh*
 // AVX2 + FMA, no bf16 instructions (e.g. AMD Zen 2/3): the same packed layout. A 32-byte load holds, for 8 outputs,
 // the pair k = 2p, 2p + 1 as the low and high half of each 32-bit lane, so the lane shifted up by 16 and the lane
 // with its low half cleared are those two weights as fp32: two FMAs per 8 outputs and pair, the weights read once
-// as bf16 (half fp32's bytes: decode is bound by them). 4 chunks of 8 outputs x MT rows of accumulators; the sum
-// over k runs in the same order whatever MT is, so a row's result does not depend on the rows beside it.
-template <int MT>
-inline void fma_group(const uint16_t* x, int64_t K, const uint16_t* G, int64_t KP, const float* bias,
-                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
-  __m256 acc[4][MT];
+// as bf16 (half fp32's bytes: decode is bound by them). x comes widened to fp32 (xf [M, Kx], exact), so each
+// row's pair is two broadcast loads. One sweep over k covers CH of the group's 4 chunks of 8 outputs for MT rows:
+// CH x MT accumulator chains (two dependent FMAs per pair each), enough of them to fill both FMA pipes once
+// CH * MT >= 8, and few enough (<= 11) to stay in the 16 registers. A group's packed block (KP x 128 bytes, 36 KB
+// at K = 576) stays in L2 between its sweeps, so memory reads each weight once whatever the rows. Every output's
+// sum over k runs in the same order whatever CH and MT are: a row's result does not depend on the rows beside it.
+template <int CH, int MT>
+inline void fma_sweep(const float* xf, int64_t Kx, const uint16_t* G, int64_t KP, const float* bias,
+                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0, int c0) {
+  __m256 acc[CH][MT];
 #pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c)
-#pragma GCC unroll 4
+  for (int c = 0; c < CH; ++c)
+#pragma GCC unroll 11
     for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
+  constexpr int64_t PF = 16;             // pairs ahead (2 KB)
+  constexpr bool HOLD = CH * MT + 2 * MT + 3 <= 16;   // accumulators + broadcasts + w0, w1, mask fit in 16 ymm
   const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+  const float* xr = xf + m0 * Kx;
   for (int64_t p = 0; p < KP; ++p) {
-    const __m256i* W = reinterpret_cast<const __m256i*>(G + p * 64);     // 2 blocks x 16 outputs x 2 values
-    _mm_prefetch(reinterpret_cast<const char*>(G + (p + 16) * 64), _MM_HINT_T0);   // 2 KB ahead in the stream
-    __m256 x0[MT], x1[MT];
+    const __m256i* W = reinterpret_cast<const __m256i*>(G + p * 64);     // 4 chunks x 8 outputs x 2 values
+    _mm_prefetch(reinterpret_cast<const char*>(G + (p + PF) * 64 + c0 * 16), _MM_HINT_T0);
+    if (CH < 4 && c0 == 0)              // the first sweep also brings the pair's other line for the later sweeps
+      _mm_prefetch(reinterpret_cast<const char*>(G + (p + PF) * 64 + 32), _MM_HINT_T1);
+    __m256 x0[MT], x1[MT];                 // the rows' pair, broadcast: held across chunks where registers allow
+#pragma GCC unroll 11
+    for (int t = 0; t < MT; ++t)
+      if (HOLD) x0[t] = _mm256_broadcast_ss(xr + t * Kx + 2 * p), x1[t] = _mm256_broadcast_ss(xr + t * Kx + 2 * p + 1);
 #pragma GCC unroll 4
-    for (int t = 0; t < MT; ++t) {
-      uint32_t pair;
-      std::memcpy(&pair, x + (m0 + t) * K + 2 * p, 4);
-      x0[t] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair << 16)));
-      x1[t] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair & 0xFFFF0000u)));
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i w = _mm256_loadu_si256(W + c);
+    for (int c = 0; c < CH; ++c) {
+      const __m256i w = _mm256_loadu_si256(W + c0 + c);
       const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
       const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
-#pragma GCC unroll 4
-      for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_fmadd_ps(w1, x1[t], _mm256_fmadd_ps(w0, x0[t], acc[c][t]));
+#pragma GCC unroll 11
+      for (int t = 0; t < MT; ++t) {
+        const __m256 a = HOLD ? x0[t] : _mm256_broadcast_ss(xr + t * Kx + 2 * p);
+        const __m256 b = HOLD ? x1[t] : _mm256_broadcast_ss(xr + t * Kx + 2 * p + 1);
+        acc[c][t] = _mm256_fmadd_ps(w1, b, _mm256_fmadd_ps(w0, a, acc[c][t]));
+      }
     }
   }
-  for (int c = 0; c < 4; ++c) {
-    const int64_t nb = n0 + 8 * c, valid = std::min<int64_t>(8, N - nb);
-    if (valid <= 0) break;
+#pragma GCC unroll 4
+  for (int c = 0; c < CH; ++c) {
+    const int64_t nb = n0 + 8 * (c0 + c), valid = std::min<int64_t>(8, N - nb);
+    if (valid <= 0) continue;                                            // padding of the last group
     for (int t = 0; t < MT; ++t) {
       alignas(32) float out[8];
       _mm256_store_ps(out, acc[c][t]);
@@ -739,12 +749,28 @@ inline void fma_group(const uint16_t* x, int64_t K, const uint16_t* G, int64_t K
   }
 }
 
-inline void fma_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* G, int64_t KP, const float* bias,
+// MT rows against the group's 4 chunks in 4 / CH sweeps, CH chosen so that CH * MT chains fill the FMA pipes
+template <int MT>
+inline void fma_group(const float* xf, int64_t Kx, const uint16_t* G, int64_t KP, const float* bias,
+                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
+  constexpr int CH = MT <= 2 ? 4 : MT <= 5 ? 2 : 1;
+  for (int c0 = 0; c0 < 4; c0 += CH) fma_sweep<CH, MT>(xf, Kx, G, KP, bias, y, N, n0, m0, c0);
+}
+
+inline void fma_rows(int64_t rows, const float* xf, int64_t Kx, const uint16_t* G, int64_t KP, const float* bias,
                      at::BFloat16* y, int64_t N, int64_t n0, int64_t m0) {
   switch (rows) {
-    case 3: return fma_group<3>(x, K, G, KP, bias, y, N, n0, m0);
-    case 2: return fma_group<2>(x, K, G, KP, bias, y, N, n0, m0);
-    case 1: return fma_group<1>(x, K, G, KP, bias, y, N, n0, m0);
+    case 11: return fma_group<11>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 10: return fma_group<10>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 9: return fma_group<9>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 8: return fma_group<8>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 7: return fma_group<7>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 6: return fma_group<6>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 5: return fma_group<5>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 4: return fma_group<4>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 3: return fma_group<3>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 2: return fma_group<2>(xf, Kx, G, KP, bias, y, N, n0, m0);
+    case 1: return fma_group<1>(xf, Kx, G, KP, bias, y, N, n0, m0);
     default: return;
   }
 }
@@ -773,22 +799,35 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 #ifdef E3_BF16DOT
   constexpr int64_t MT_MAX = 12;   // 2 x 12 accumulators of 16 lanes
-#else
-  constexpr int64_t MT_MAX = 3;    // 4 chunks x 3 accumulators of 8 lanes, 2 x 3 broadcasts, the widened weights
-#endif
   // passes of up to MT_MAX rows, as even as possible (16 rows with 12: 8 + 8, not 12 + 4)
   const int64_t passes = (M + MT_MAX - 1) / MT_MAX, per_pass = (M + passes - 1) / passes;
   at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-        const int64_t rows = std::min(per_pass, M - m0);
-#ifdef E3_BF16DOT
-        dot_rows(rows, xp, Kx, reinterpret_cast<const __m512bh*>(P) + g * KP * 2, KP, bp, yp, N, 32 * g, m0);
-#else
-        fma_rows(rows, xp, Kx, P + g * KP * 64, KP, bp, yp, N, 32 * g, m0);
-#endif
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+        dot_rows(std::min(per_pass, M - m0), xp, Kx, reinterpret_cast<const __m512bh*>(P) + g * KP * 2, KP, bp, yp,
+                 N, 32 * g, m0);
   });
+#else
+  std::vector<float> xw(M * Kx);                                            // [M, Kx] fp32 (exact)
+  for (int64_t i = 0; i < M * Kx; ++i) {
+    const uint32_t bits = uint32_t(xp[i]) << 16;                             // bf16 is fp32's upper half
+    std::memcpy(&xw[i], &bits, 4);
+  }
+  const float* xf = xw.data();
+  // passes whose sweeps all have >= 8 accumulator chains where possible: 6 rows as 4 + 2, 7 as 5 + 2, 8 to 11 in one
+  std::vector<int64_t> starts;
+  for (int64_t m0 = 0; m0 < M;) {
+    starts.push_back(m0);
+    const int64_t left = M - m0;
+    m0 += left >= 8 ? std::min<int64_t>(left, 11) : left >= 6 ? left - 2 : left;
+  }
+  starts.push_back(M);
+  at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (size_t i = 0; i + 1 < starts.size(); ++i)
+        fma_rows(starts[i + 1] - starts[i], xf, Kx, P + g * KP * 64, KP, bp, yp, N, 32 * g, starts[i]);
+  });
+#endif
   return y;
 #else
   TORCH_CHECK(false, "linear_bf16: this build has neither AVX-512 BF16 nor AVX2 + FMA (compile with -march=native)");
