@@ -135,33 +135,36 @@ def test_unsupported_family_is_refused():
         TargetModel(hf)
 
 
+# new slots of a verify: a chain (root, child) and a branching tree (root; a and b its children; c b's child)
+VERIFY_MASKS = {"chain": ([[1, 0], [1, 1]], {0: [], 1: [0]}),
+                "tree": ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], {0: [], 1: [0], 2: [0], 3: [0, 2]})}
+
+
+@pytest.mark.parametrize("shape", list(VERIFY_MASKS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verified_token_attends_as_the_one_token_step_would(dtype):
-    """Bit for bit: a tree verify's root attends as the one-token step on it (masked nodes after it add nothing,
-    not even to the order of the softmax sum), and its child as the next one-token step over the committed root.
-    This is what keeps greedy speculative output equal to vanilla in bf16 (tested over contexts crossing the
-    kernel's 8-lane blocks)."""
+def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape):
+    """Bit for bit: every node of a tree verify attends as the one-token step that decodes it once its ancestors
+    are committed (masked siblings add nothing, not even to the order of the softmax sum, wherever they sit in the
+    tree). This is what keeps greedy speculative output equal to vanilla in bf16 (tested over contexts crossing
+    the kernel's 8-lane blocks)."""
     from sglang_eagle3 import kernels as K
     if K.few_row_isa() == "avx512_bf16":
         pytest.skip("the AVX-512 attention sums committed and new slots in separate blocks: equal to rounding only")
     torch.manual_seed(0)
-    nKV, nH, D, S, scale = 3, 9, 64, 40, 64 ** -0.5
-    one = torch.tensor([[[True]]])
+    mask_rows, ancestors = VERIFY_MASKS[shape]
+    F, (nKV, nH, D, S, scale) = len(mask_rows), (3, 9, 64, 40, 64 ** -0.5)
+    mask, one = torch.tensor([mask_rows], dtype=torch.bool), torch.tensor([[[True]]])
     for L in range(0, 20):
         k0, v0 = torch.randn(1, nKV, S, D, dtype=dtype), torch.randn(1, nKV, S, D, dtype=dtype)
-        q, kn, vn = (torch.randn(1, h, 2, D, dtype=dtype) for h in (nH, nKV, nKV))
+        q, kn, vn = (torch.randn(1, h, F, D, dtype=dtype) for h in (nH, nKV, nKV))
         rows, lens = torch.tensor([0]), torch.tensor([L])
-        kc, vc = k0.clone(), v0.clone()
-        tree = K.tree_attention(q, kn, vn, kc, vc, rows, lens, lens, torch.tensor([[[True, False], [True, True]]]),
-                                scale)
-        kc1, vc1 = k0.clone(), v0.clone()
-        first = [x[:, :, :1].contiguous() for x in (q, kn, vn)]
-        root = K.tree_attention(*first, kc1, vc1, rows, lens, lens, one, scale)
-        assert torch.equal(tree[:, :, 0], root[:, :, 0]), L
-        second = [x[:, :, 1:].contiguous() for x in (q, kn, vn)]
-        child = K.tree_attention(*second, kc1, vc1, rows, lens + 1, lens + 1, one, scale)
-        assert torch.equal(tree[:, :, 1], child[:, :, 0]), L
-        assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+        tree = K.tree_attention(q, kn, vn, k0.clone(), v0.clone(), rows, lens, lens, mask, scale)
+        for node, path in ancestors.items():
+            kc, vc = k0.clone(), v0.clone()
+            for depth, t in enumerate(path + [node]):       # commit the ancestors one step at a time, then the node
+                x = [y[:, :, t:t + 1].contiguous() for y in (q, kn, vn)]
+                step = K.tree_attention(*x, kc, vc, rows, lens + depth, lens + depth, one, scale)
+            assert torch.equal(tree[:, :, node], step[:, :, 0]), (L, node)
 
 
 @pytest.mark.parametrize("D", [16, 64, 128])

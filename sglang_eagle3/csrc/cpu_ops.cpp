@@ -198,8 +198,9 @@ inline void axpy(float* acc, float p, const T* v, int64_t D) {
   for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f(v[d]);
 }
 
-// scores[0:n] = exp(scores - max) in place; returns the sum (entries at -inf become 0)
-inline float softmax_unnormalised(float* s, int64_t n) {
+// scores[0:n] = exp(scores - max) in place; returns the sum (entries at -inf become 0). Entries [0, dense) are
+// known finite (an attention row's committed slots; default: all of them).
+inline float softmax_unnormalised(float* s, int64_t n, int64_t dense = -1) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
   float sum = 0.f;
@@ -213,9 +214,14 @@ inline float softmax_unnormalised(float* s, int64_t n) {
   }
   sum = _mm512_reduce_add_ps(vs);
 #elif defined(E3_AVX2)
-  // Lane = position mod 8, the last block padded with -inf, masked (-inf) entries exactly 0: the sum is the same
-  // whether or not masked entries trail (a tree verify's query vs the one-token step that decodes the same token),
-  // so speculative and vanilla decoding normalise alike.
+  // Lane = the entry's index among the unmasked ones, mod 8 (masked entries are -inf, exactly 0 after exp): a tree
+  // node's query sums the committed slots, its ancestors and itself in the lanes the one-token step that decodes
+  // the same token uses (there, they are all committed), wherever its siblings sit in the tree, so speculative and
+  // vanilla decoding normalise alike. Blocks of 8 inside [0, dense) add as vectors; the rest lane by lane.
+  dense = dense < 0 ? n : std::min(dense, n);
+  const int64_t dense8 = dense / 8 * 8;
+  std::vector<uint8_t> masked(n - dense8);
+  for (int64_t j = dense8; j < n; ++j) masked[j - dense8] = s[j] == -std::numeric_limits<float>::infinity();
   const __m256 vm = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 vs = _mm256_setzero_ps();
   for (; i < n; i += 8) {
@@ -235,8 +241,13 @@ inline float softmax_unnormalised(float* s, int64_t n) {
       _mm256_store_ps(tmp, e);
       std::memcpy(s + i, tmp, r * sizeof(float));
     }
-    vs = _mm256_add_ps(vs, e);
+    if (i < dense8) vs = _mm256_add_ps(vs, e);
   }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vs);
+  for (int64_t j = dense8, lane = 0; j < n; ++j)
+    if (!masked[j - dense8]) lanes[lane++ % 8] += s[j];       // dense8 is a multiple of 8: lanes start at 0
+  vs = _mm256_load_ps(lanes);
   sum = hsum8(vs);
 #endif
   for (; i < n; ++i) {
@@ -368,7 +379,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
           const bool* m = mask_p + (b * T + t) * F;
           for (int64_t f = 0; f < F; ++f)
             si[L + f] = m[f] ? dot(qi, K + (L + f) * D, D) : -std::numeric_limits<float>::infinity();
-          inv[i] = 1.f / softmax_unnormalised(si, n);
+          inv[i] = 1.f / softmax_unnormalised(si, n, L);
         }
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
