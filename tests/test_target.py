@@ -158,13 +158,16 @@ def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape):
         k0, v0 = torch.randn(1, nKV, S, D, dtype=dtype), torch.randn(1, nKV, S, D, dtype=dtype)
         q, kn, vn = (torch.randn(1, h, F, D, dtype=dtype) for h in (nH, nKV, nKV))
         rows, lens = torch.tensor([0]), torch.tensor([L])
-        tree = K.tree_attention(q, kn, vn, k0.clone(), v0.clone(), rows, lens, lens, mask, scale)
+        kt, vt = k0.clone(), v0.clone()
+        tree = K.tree_attention(q, kn, vn, kt, vt, rows, lens, lens, mask, scale)
         for node, path in ancestors.items():
             kc, vc = k0.clone(), v0.clone()
             for depth, t in enumerate(path + [node]):       # commit the ancestors one step at a time, then the node
                 x = [y[:, :, t:t + 1].contiguous() for y in (q, kn, vn)]
                 step = K.tree_attention(*x, kc, vc, rows, lens + depth, lens + depth, one, scale)
             assert torch.equal(tree[:, :, node], step[:, :, 0]), (L, node)
+        if shape == "chain":                                 # a chain's slots are its positions: the same cache
+            assert torch.equal(kt, kc) and torch.equal(vt, vc)
 
 
 @pytest.mark.parametrize("D", [16, 64, 128])

@@ -220,8 +220,8 @@ inline float softmax_unnormalised(float* s, int64_t n, int64_t dense = -1) {
   // vanilla decoding normalise alike. Blocks of 8 inside [0, dense) add as vectors; the rest lane by lane.
   dense = dense < 0 ? n : std::min(dense, n);
   const int64_t dense8 = dense / 8 * 8;
-  std::vector<uint8_t> masked(n - dense8);
-  for (int64_t j = dense8; j < n; ++j) masked[j - dense8] = s[j] == -std::numeric_limits<float>::infinity();
+  alignas(32) float lanes[8];
+  int64_t lane = 0;                                                // next lane of the lane-by-lane part
   const __m256 vm = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 vs = _mm256_setzero_ps();
   for (; i < n; i += 8) {
@@ -234,20 +234,24 @@ inline float softmax_unnormalised(float* s, int64_t n, int64_t dense = -1) {
       for (int j = 0; j < 8; ++j) tmp[j] = j < r ? s[i + j] : -std::numeric_limits<float>::infinity();
       x = _mm256_load_ps(tmp);
     }
-    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(x, vm)));
+    const __m256 is_masked = _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ);
+    const __m256 e = _mm256_andnot_ps(is_masked, exp8(_mm256_sub_ps(x, vm)));
     if (r == 8) {
       _mm256_storeu_ps(s + i, e);
     } else {
       _mm256_store_ps(tmp, e);
       std::memcpy(s + i, tmp, r * sizeof(float));
     }
-    if (i < dense8) vs = _mm256_add_ps(vs, e);
+    if (i < dense8) {
+      vs = _mm256_add_ps(vs, e);
+      continue;
+    }
+    if (i == dense8) _mm256_store_ps(lanes, vs);                   // dense8 is a multiple of 8: lanes start at 0
+    const int masked_bits = _mm256_movemask_ps(is_masked);
+    for (int j = 0; j < r; ++j)
+      if (!(masked_bits >> j & 1)) lanes[lane++ % 8] += s[i + j];
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vs);
-  for (int64_t j = dense8, lane = 0; j < n; ++j)
-    if (!masked[j - dense8]) lanes[lane++ % 8] += s[j];       // dense8 is a multiple of 8: lanes start at 0
-  vs = _mm256_load_ps(lanes);
+  if (dense8 < n) vs = _mm256_load_ps(lanes);
   sum = hsum8(vs);
 #endif
   for (; i < n; ++i) {
