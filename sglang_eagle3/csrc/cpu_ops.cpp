@@ -40,13 +40,10 @@ inline float dot(const float* q, const T* k, int64_t D) {
     return _mm512_reduce_add_ps(acc);
   }
 #elif defined(E3_AVX2)
-  if (D % 16 == 0) {                     // two 8-lane chains (a scalar sum is one 4-cycle FMA chain per element)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
-    }
-    return hsum8(_mm256_add_ps(a0, a1));
+  if (D % 8 == 0) {                      // dot8's sums for one key: a score is the same in a block of 8 or alone
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
+    return hsum8_pairs(a);
   }
 #endif
   float s = 0.f;
@@ -184,6 +181,55 @@ inline void weighted_sum_block(const float* p, int64_t ld, const T* V, int64_t n
 }
 #endif
 
+#if defined(E3_AVX2) && !defined(E3_AVX512)
+// out[0:8] = q . k[j] for 8 consecutive keys k + j * D (D a multiple of 8; fp32, or bf16 widened on the fly): per
+// key one 8-lane FMA chain in the order of d, its lanes summed as hsum8_pairs sums them (dot's order: a key's
+// score does not depend on whether it is scored in a block or alone); 8 independent chains fill both FMA pipes.
+template <typename T>
+inline void dot8(const float* q, const T* k, int64_t D, float* out) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k + j * D + d), acc[j]);
+  }
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
+}
+
+// out[q][0:D] = sum over s < n of p[q * ld + s] * V[s] for QB queries (D a multiple of 32): 32 values at a time,
+// the accumulators in registers, each value row converted once for the QB queries; per value the sums run in the
+// order of s with one FMA each, as axpy's.
+template <int QB, typename T>
+inline void weighted_sum8(const float* p, int64_t ld, const T* V, int64_t D, int64_t n, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 acc[QB][4];
+#pragma GCC unroll 4
+    for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[q][c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      __m256 v[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) v[c] = load8(V + s * D + d0 + 8 * c);
+#pragma GCC unroll 4
+      for (int q = 0; q < QB; ++q) {
+        const __m256 pq = _mm256_set1_ps(p[q * ld + s]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[q][c] = _mm256_fmadd_ps(pq, v[c], acc[q][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + q * D + d0 + 8 * c, acc[q][c]);
+  }
+}
+#endif
+
 // acc[0:D] += p * v[0:D]
 template <typename T>
 inline void axpy(float* acc, float p, const T* v, int64_t D) {
@@ -192,6 +238,13 @@ inline void axpy(float* acc, float p, const T* v, int64_t D) {
     __m512 pv = _mm512_set1_ps(p);
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#elif defined(E3_AVX2)
+  if (D % 8 == 0) {                      // one FMA per value, as weighted_sum8
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
     return;
   }
 #endif
@@ -375,6 +428,18 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
             }
           }
 #endif
+#if defined(E3_AVX2) && !defined(E3_AVX512)
+        if (D % 8 == 0 && D <= 256)
+          for (; s0 + 8 <= L; s0 += 8) {
+            const E* kb = K + s0 * D;
+            if (nq > 2) {                                  // convert the block once for the chunk's queries
+              for (int64_t j = 0; j < 8 * D; j += 8) _mm256_storeu_ps(kblock.data() + j, load8(kb + j));
+              for (int64_t i = 0; i < nq; ++i) dot8(qf.data() + i * D, kblock.data(), D, scores.data() + i * n + s0);
+            } else {
+              for (int64_t i = 0; i < nq; ++i) dot8(qf.data() + i * D, kb, D, scores.data() + i * n + s0);
+            }
+          }
+#endif
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t t = (r0 + i) % T;
           const float* qi = qf.data() + i * D;
@@ -398,6 +463,13 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
         for (; i < nq; ++i)
           D == 64 ? weighted_sum_block<4, 1>(scores.data() + i * n, n, V, L, acc.data() + i * D)
                   : weighted_sum_block<8, 1>(scores.data() + i * n, n, V, L, acc.data() + i * D);
+        s_done = L;
+      }
+#elif defined(E3_AVX2)
+      if (D % 32 == 0) {
+        int64_t i = 0;
+        for (; i + 2 <= nq; i += 2) weighted_sum8<2>(scores.data() + i * n, n, V, D, L, acc.data() + i * D);
+        for (; i < nq; ++i) weighted_sum8<1>(scores.data() + i * n, n, V, D, L, acc.data() + i * D);
         s_done = L;
       }
 #endif

@@ -89,6 +89,12 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order in which dot8 sums each key's lanes
+inline float hsum8_pairs(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
 #endif
 
 // max of z[0:V] in fp32
