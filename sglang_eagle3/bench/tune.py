@@ -14,7 +14,7 @@ measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up 
 SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
 
 The best tree depends on the host: on a CPU with AMX tiles a verify of 8 tokens costs ~1.2x a one-token step, with
-the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.05x for 2 tokens, 1.2x for 4 and ~1.8x for 8 (a Zen 3), so a draft's
+the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens, 1.1x for 4 and ~1.7x for 8 (a Zen 3, context 256; more at longer contexts), so a draft's
 profile can hold a table per kind of host (by_host, keyed by config.host_kind(): amx, avx512_bf16, avx2, cpu, cuda). --host-table-into PROFILE stores this run's table there (with
 --temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
 table elsewhere.
