@@ -34,10 +34,10 @@ using namespace e3;
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t D) {
 #ifdef E3_AVX512
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
+  if (D % 16 == 0 && D > 0) {           // dot16's sums for one key: a score is the same in a block of 16 or alone
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+    for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return hsum16_one(acc);
   }
 #elif defined(E3_AVX2)
   if (D % 8 == 0) {                      // dot8's sums for one key: a score is the same in a block of 8 or alone
@@ -106,7 +106,7 @@ inline float dot_bf16(const __m512bh* qv, const at::BFloat16* k) {
   __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 8
   for (int c = 0; c < NP; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-  return _mm512_reduce_add_ps(a);
+  return hsum16_one(a);                 // as dot16_bf16 sums a key's lanes
 }
 
 // scores[0:16] = q . k[s] for 16 consecutive bf16 keys (D = 32 NP)
@@ -258,20 +258,36 @@ inline float softmax_unnormalised(float* s, int64_t n, int64_t dense = -1) {
   for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
   float sum = 0.f;
   int64_t i = 0;
+  // Lane = the entry's index among the unmasked ones, mod the vector width (masked entries are -inf, exactly 0
+  // after exp): a tree node's query sums the committed slots, its ancestors and itself in the lanes the one-token
+  // step that decodes the same token uses (there, they are all committed), wherever its siblings sit in the tree,
+  // so speculative and vanilla decoding normalise alike. Whole vectors inside [0, dense) add as vectors; the rest
+  // lane by lane.
+  dense = dense < 0 ? n : std::min(dense, n);
 #ifdef E3_AVX512
-  __m512 vm = _mm512_set1_ps(mx), vs = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-    _mm512_storeu_ps(s + i, e);
-    vs = _mm512_add_ps(vs, e);
+  const int64_t dense16 = dense / 16 * 16;
+  alignas(64) float lanes[16];
+  int64_t lane = 0;                                                // next lane of the lane-by-lane part
+  const __m512 vm = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vs = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    const int64_t r = std::min<int64_t>(16, n - i);
+    const __mmask16 in_row = static_cast<__mmask16>(r == 16 ? 0xffff : (1u << r) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(ninf, in_row, s + i);  // padding lanes: -inf, like masked entries
+    const __mmask16 unmasked = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(unmasked, exp16(_mm512_sub_ps(x, vm)));
+    _mm512_mask_storeu_ps(s + i, in_row, e);
+    if (i < dense16) {
+      vs = _mm512_add_ps(vs, e);
+      continue;
+    }
+    if (i == dense16) _mm512_store_ps(lanes, vs);                  // dense16 is a multiple of 16: lanes start at 0
+    for (int j = 0; j < r; ++j)
+      if (unmasked >> j & 1) lanes[lane++ % 16] += s[i + j];
   }
+  if (dense16 < n) vs = _mm512_load_ps(lanes);
   sum = _mm512_reduce_add_ps(vs);
 #elif defined(E3_AVX2)
-  // Lane = the entry's index among the unmasked ones, mod 8 (masked entries are -inf, exactly 0 after exp): a tree
-  // node's query sums the committed slots, its ancestors and itself in the lanes the one-token step that decodes
-  // the same token uses (there, they are all committed), wherever its siblings sit in the tree, so speculative and
-  // vanilla decoding normalise alike. Blocks of 8 inside [0, dense) add as vectors; the rest lane by lane.
-  dense = dense < 0 ? n : std::min(dense, n);
   const int64_t dense8 = dense / 8 * 8;
   alignas(32) float lanes[8];
   int64_t lane = 0;                                                // next lane of the lane-by-lane part

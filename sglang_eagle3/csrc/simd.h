@@ -64,6 +64,15 @@ inline __m512 exp16(__m512 x) {
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
+// The sum of a's 16 lanes in the order cpu_ops' hsum16 (the 16-keys-at-once transpose-add) sums each of its
+// inputs: ((s0 + s1) + (s2 + s3)), s_k = (a[4k] + a[4k+2]) + (a[4k+1] + a[4k+3]), so that a key scored alone
+// gets the score it gets in a block of 16, bit for bit.
+inline float hsum16_one(__m512 a) {
+  const __m512 t = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));      // a[j] + a[j ^ 2]
+  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));      // s_k in each 128 bits
+  const __m512 v = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));  // s0 + s1, s2 + s3
+  return _mm512_cvtss_f32(_mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))));
+}
 #endif
 
 #if defined(E3_AVX2) && !defined(E3_AVX512)
