@@ -102,6 +102,24 @@ def test_oracle_drafts_accept_and_stay_lossless(spec, skill):
         assert stats.accept_length > 1.2
 
 
+@pytest.mark.parametrize("spec", [SpecConfig(1, 2, 2), SpecConfig(4, 3, 10)], ids=str)
+def test_bf16_greedy_speculation_equals_bf16_vanilla(spec):
+    """End to end in bf16 (the C++ path's pieces together: whole-layer steps, few-row linears, tree attention at
+    head size 64 over contexts crossing its 8- and 16-key blocks, KV commit, the draft's held pairs), with oracle
+    trees whose accepted nodes follow rejected siblings. A sum whose order differs by one rounding rarely flips
+    a bf16 value, let alone an argmax of this tiny model: that finer property is the attention test's
+    (test_target.py::test_a_verified_token_attends_as_the_one_token_step_would)."""
+    tm, _ = tiny_target("llama", dtype=torch.bfloat16, head_dim=64, logit_scale=4.0)
+    prompts = prompts_of([5, 14, 23], tm.vocab_size, seed=5)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
+    refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
+    draft = oracle_for(tm, refs, skill=0.6).to(torch.bfloat16)
+    outs, stats = SpeculativeEngine(tm, draft, spec).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in van]
+    assert stats.accept_length > 1.2
+
+
 def test_eos_stop_strings_and_uneven_finish():
     tm, hf = tiny_target("llama", logit_scale=4.0)
     prompts = prompts_of([3, 8, 5, 11], tm.vocab_size, seed=5)

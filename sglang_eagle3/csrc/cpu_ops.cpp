@@ -415,7 +415,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
           }
           if (D == 64) scores_bf16<2>(qb.data(), nq, K, L, F, masks.data(), static_cast<float>(scale), scores.data(), n);
           else scores_bf16<4>(qb.data(), nq, K, L, F, masks.data(), static_cast<float>(scale), scores.data(), n);
-          for (int64_t i = 0; i < nq; ++i) inv[i] = 1.f / softmax_unnormalised(scores.data() + i * n, n);
+          for (int64_t i = 0; i < nq; ++i) inv[i] = 1.f / softmax_unnormalised(scores.data() + i * n, n, L);
           scored = true;
         }
       }
