@@ -131,7 +131,7 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (decode, verify, draft steps)
+SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (more: prefill; steps pass any_rows)
 ALL_ROWS = 1 << 62  # AVX2 without native bf16: csrc's kernel serves every product (oneDNN's bf16 is emulated there)
 SMALL_M_AMX = 128  # the same for its AMX tile kernel
 _amx = os.environ.get("EAGLE3_AMX", "auto")            # auto | off: the AVX-512 BF16 kernel even where AMX runs
@@ -173,6 +173,10 @@ class PackedLinear:
     but bound by its dot products from ~4 rows on). Either way over weights packed for it, and a row's result does
     not depend on how many rows come with it;
     more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
+    any_rows=True (the target's decode and verify forwards) keeps every row count on the few-row kernel: a
+    verified token's logits then come from the sums a one-token step computes, however many rows a batch of trees
+    has (oneDNN's sums for a row depend on the product's shape, which broke greedy equality at batch 8 with
+    8-token trees).
     bf16 on an AVX2 CPU without native bf16: csrc's kernel for every row count (bf16 weights widened in registers,
     fp32 FMAs: decode reads half fp32's bytes; PyTorch's emulated bf16 products run 3-100x slower), no other copy.
     Otherwise F.linear on the weight itself."""
@@ -195,14 +199,14 @@ class PackedLinear:
         self.bias32 = None if self.bias is None else self.bias.float()
         self.weight = None if pack or avx2 else weight  # no unpacked copy when packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.packed is None:                         # AVX2: the few-row kernel is the only copy of the weight
             y = extension().linear_bf16(x2.to(torch.bfloat16), self.small, self.out_features, self.bias32).to(x.dtype)
-        elif x2.shape[0] <= self.small_m and x2.dtype == torch.bfloat16:
+        elif self.small is not None and x2.dtype == torch.bfloat16 and (any_rows or x2.shape[0] <= self.small_m):
             y = extension().linear_bf16(x2, self.small, self.out_features, self.bias32)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

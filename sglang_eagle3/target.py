@@ -142,23 +142,24 @@ class TargetModel(nn.Module):
                 delta = out[0]
                 if cap:
                     captured[i] = out[1]
-            return self._finish(x, delta, logit_index, captured, want_aux)
+            return self._finish(x, delta, logit_index, captured, want_aux, True)
         attend = self._attention(cache, rows, T, tree_mask, num_new)
+        step = self._over_pool(T, tree_mask)     # decode / verify: the few-row kernels at any row count (lossless)
         for i, layer in enumerate(self.layers):
             w = layer.input_norm.weight
             h = K.rms_norm(x, w, layer.eps) if delta is None else K.add_rms_norm(x, delta, w, layer.eps)   # x += delta
             if want_aux and i in self.capture_at:
                 captured[i] = x.clone()
-            o = attend(i, layer, layer.wqkv(h), cos, sin)                            # [B, T, nH * D]
-            h = K.add_rms_norm(x, layer.wo(o), layer.post_norm.weight, layer.eps)    # x += attention
-            delta = layer.w_down(K.silu_and_mul(layer.w_gate_up(h)))
-        return self._finish(x, delta, logit_index, captured, want_aux)
+            o = attend(i, layer, layer.wqkv(h, step), cos, sin)                      # [B, T, nH * D]
+            h = K.add_rms_norm(x, layer.wo(o, step), layer.post_norm.weight, layer.eps)    # x += attention
+            delta = layer.w_down(K.silu_and_mul(layer.w_gate_up(h, step)), step)
+        return self._finish(x, delta, logit_index, captured, want_aux, step)
 
     def _fused_layers_apply(self, x: torch.Tensor, T: int, tree_mask) -> bool:
         """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every linear packed for the
-        few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill)."""
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] * T > self.layers[0].wqkv.small_m or \
-                not self._over_pool(T, tree_mask):
+        few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill), at any batch size (the few-row
+        kernels serve every row count of a step, so a row's sums never depend on the batch)."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not self._over_pool(T, tree_mask):
             return False
         ok = self._layer_step_ok.get(K.mode())
         if ok is None:                                     # the weights never change: decide once per kernel mode
@@ -169,12 +170,12 @@ class TargetModel(nn.Module):
                 all(layer.q_norm is None and layer.input_norm.weight.dtype == torch.bfloat16 for layer in self.layers)
         return ok
 
-    def _finish(self, x, delta, logit_index, captured: dict, want_aux: bool) -> TargetOutput:
+    def _finish(self, x, delta, logit_index, captured: dict, want_aux: bool, step: bool) -> TargetOutput:
         last = K.add_rms_norm(x, delta, self.norm.weight, self.final_eps)
         h = last if logit_index is None else torch.gather(last, 1, logit_index.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
         captured[self.num_layers] = last            # id L-1: HF's last hidden state, after the norm ('top' ablation)
         aux_t = torch.cat([captured[i + 1] for i in self.aux_layer_ids], dim=-1) if want_aux else None
-        return TargetOutput(self.lm_head_packed(h), aux_t, last)
+        return TargetOutput(self.lm_head_packed(h, step), aux_t, last)
 
     def _attention(self, cache: KVPool, rows, T, tree_mask, num_new):
         """attend(layer index, layer, qkv [B, T, W], cos, sin) -> [B, T, nH * D] for this forward: the pool kernel

@@ -290,3 +290,33 @@ def test_fused_layer_step_equals_the_step_by_step_path():
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["layer_step", "layer_by_layer"])
+def test_a_rows_verify_does_not_depend_on_the_batch(fused):
+    """bf16: a row's logits from a verify of 6 rows x 8 tree tokens (48 rows of every product, over the AVX-512
+    kernel's prefill boundary of 32) equal that row's verify alone, bit for bit, on both forward paths: what a
+    speculative step computes for a request does not depend on what else is batched with it, so greedy output
+    stays vanilla's at batch 8 with 8-token trees too."""
+    from sglang_eagle3 import kernels as K
+    tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
+                        head_dim=64)   # oneDNN's sums over 64 inputs happen to match the kernel's
+    if tm.layers[0].wqkv.small is None:
+        pytest.skip("csrc's bf16 kernels are not available on this CPU")
+    torch.manual_seed(0)
+    B, T, P = 6, 8, 9
+    parents = [-1, 0, 0, 1, 2, 2, 5, 3]
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3]) + P
+    prompts, trees = torch.randint(3, tm.vocab_size, (B, P)), torch.randint(3, tm.vocab_size, (B, T))
+    tm._layer_step_ok[K.mode()] = fused
+    try:
+        cache = tm.new_cache(B, 32)
+        tm(cache, prompts, torch.arange(P).expand(B, P))
+        cache.commit_prefix(torch.arange(B), torch.full((B,), P))
+        together = tm(cache, trees, depth.expand(B, T), tree_mask=tree_mask_of(parents).expand(B, T, T)).logits
+        for b in range(B):
+            alone = tm(cache, trees[b:b + 1], depth.view(1, T), tree_mask=tree_mask_of(parents).unsqueeze(0),
+                       rows=torch.tensor([b])).logits
+            assert torch.equal(alone[0], together[b]), b
+    finally:
+        del tm._layer_step_ok[K.mode()]
