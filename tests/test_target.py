@@ -135,23 +135,13 @@ def test_unsupported_family_is_refused():
         TargetModel(hf)
 
 
-def _tree_masks(parents):
-    """parents[i] = node i's parent (None for the root, nodes in tree order) -> (mask rows, ancestors per node)."""
-    ancestors = {}
-    for node, parent in enumerate(parents):
-        ancestors[node] = [] if parent is None else ancestors[parent] + [parent]
-    rows = [[int(j == i or j in ancestors[i]) for j in range(len(parents))] for i in range(len(parents))]
-    return rows, ancestors
-
-
-# new slots of a verify: a chain (root, child); a branching tree (root; a and b its children; c b's child); a wider
-# 8-node tree whose accepted paths skip rejected siblings at several depths
-VERIFY_MASKS = {"chain": _tree_masks([None, 0]), "tree": _tree_masks([None, 0, 0, 2]),
-                "wide": _tree_masks([None, 0, 0, 1, 2, 2, 5, 3])}
+# new slots of a verify, as parent lists: a chain (root, child); a branching tree (root; a and b its children; c b's
+# child); a wider 8-node tree whose accepted paths skip rejected siblings at several depths
+VERIFY_TREES = {"chain": [-1, 0], "tree": [-1, 0, 0, 2], "wide": [-1, 0, 0, 1, 2, 2, 5, 3]}
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("shape", list(VERIFY_MASKS))
+@pytest.mark.parametrize("shape", list(VERIFY_TREES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape, D):
     """Bit for bit: every node of a tree verify attends as the one-token step that decodes it once its ancestors
@@ -163,20 +153,20 @@ def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape, D):
     nodes differed."""
     from sglang_eagle3 import kernels as K
     torch.manual_seed(0)
-    mask_rows, ancestors = VERIFY_MASKS[shape]
-    F, S = len(mask_rows), 48
+    parents = VERIFY_TREES[shape]
+    F, S = len(parents), 48
     nKV, nH, draws = (3, 48, 10) if dtype == torch.bfloat16 else (3, 9, 1)
     scale = D ** -0.5
-    mask, one = torch.tensor([mask_rows], dtype=torch.bool), torch.tensor([[[True]]])
+    mask, one = tree_mask_of(parents).unsqueeze(0), torch.tensor([[[True]]])
     for L in list(range(0, S - F + 1)) * draws:
         k0, v0 = torch.randn(1, nKV, S, D, dtype=dtype), torch.randn(1, nKV, S, D, dtype=dtype)
         q, kn, vn = (torch.randn(1, h, F, D, dtype=dtype) for h in (nH, nKV, nKV))
         rows, lens = torch.tensor([0]), torch.tensor([L])
         kt, vt = k0.clone(), v0.clone()
         tree = K.tree_attention(q, kn, vn, kt, vt, rows, lens, lens, mask, scale)
-        for node, path in ancestors.items():
+        for node in range(F):
             kc, vc = k0.clone(), v0.clone()
-            for depth, t in enumerate(path + [node]):       # commit the ancestors one step at a time, then the node
+            for depth, t in enumerate(path_to(parents, node)):   # commit the ancestors one step at a time, then the node
                 x = [y[:, :, t:t + 1].contiguous() for y in (q, kn, vn)]
                 step = K.tree_attention(*x, kc, vc, rows, lens + depth, lens + depth, one, scale)
             assert torch.equal(tree[:, :, node], step[:, :, 0]), (L, node)
@@ -299,14 +289,15 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused):
     speculative step computes for a request does not depend on what else is batched with it, so greedy output
     stays vanilla's at batch 8 with 8-token trees too."""
     from sglang_eagle3 import kernels as K
+    # SmolLM2's widths: at the default hidden size of 64, oneDNN's sums happen to match the kernel's
     tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
-                        head_dim=64)   # oneDNN's sums over 64 inputs happen to match the kernel's
+                        head_dim=64)
     if tm.layers[0].wqkv.small is None:
         pytest.skip("csrc's bf16 kernels are not available on this CPU")
     torch.manual_seed(0)
     B, T, P = 6, 8, 9
     parents = [-1, 0, 0, 1, 2, 2, 5, 3]
-    depth = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3]) + P
+    depth = torch.tensor([len(path_to(parents, i)) - 1 for i in range(T)]) + P
     prompts, trees = torch.randint(3, tm.vocab_size, (B, P)), torch.randint(3, tm.vocab_size, (B, T))
     tm._layer_step_ok[K.mode()] = fused
     try:
