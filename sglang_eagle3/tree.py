@@ -130,14 +130,25 @@ def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new
     return attend
 
 
+def levels_needed(cand_scores: list[torch.Tensor], frontier_scores: torch.Tensor, num_draft_tokens: int) -> bool:
+    """Can a deeper level still put a node into the tree? A node's score (cumulative log-prob) is at most its
+    frontier ancestor's, and on equal scores the earlier candidate wins; so once every row has
+    num_draft_tokens - 1 candidates scoring at least its best frontier node, nothing drafted below the frontier
+    is ever selected: the tree is the same without the deeper levels (and their draft forwards).
+    cand_scores: [B, k], [B, k*k], ... per level; frontier_scores [B, k]."""
+    best = frontier_scores.max(-1, keepdim=True).values                        # [B, 1]
+    ahead = sum((c >= best).sum(-1) for c in cand_scores)                      # [B] candidates it cannot beat
+    return bool((ahead < num_draft_tokens - 1).any())
+
+
 @torch.no_grad()
 def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens, root_positions,
-              spec: SpecConfig) -> DraftTree:
+              spec: SpecConfig, prune: bool = True) -> DraftTree:
     """Draft a tree for each row.
 
     draft: Eagle3DraftModel. pool: its KV pool; rows [B] committed up to the root's position (exclusive).
     first_hidden [B, H]: draft output at the root's previous position; first_logits [B, draft_vocab]: its logits.
-    root_tokens, root_positions [B].
+    root_tokens, root_positions [B]. prune (CPU): skip the levels that cannot change the tree (levels_needed).
     """
     B, k = root_tokens.shape[0], spec.topk
     device = root_tokens.device
@@ -157,7 +168,10 @@ def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logit
         batch = torch.arange(B, device=device).view(B, 1)
         lens = pool.lens[rows]
     offset = k
+    prune = prune and device.type == "cpu"                                     # (a host sync per level on GPUs)
     for step in range(1, spec.num_steps):
+        if prune and not levels_needed(cand_scores, scores, spec.num_draft_tokens):
+            break
         f0 = (step - 1) * k                                                    # this level's first forwarded slot
         if step > 1:
             fwd_mask[:, f0:f0 + k, :f0] = fwd_mask[batch, fwd_parent, :f0]     # parent's row (ancestors + parent)

@@ -93,6 +93,59 @@ def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
     assert torch.equal(cache.lens, torch.arange(B) + 5)     # drafting never commits draft KV
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 4), st.integers(2, 12), st.integers(1, 3), st.floats(0.0, 4.0), st.integers(0, 99))
+def test_skipped_levels_leave_the_tree_unchanged(num_steps, topk, budget, B, sharpness, seed):
+    """grow_tree skips a level's draft forward once no node below the frontier can enter the tree: the tree
+    (tokens, parents, mask, positions) is exactly the one every level's forward gives."""
+    budget = min(budget, 1 + topk + (num_steps - 1) * topk * topk)
+    spec = SpecConfig(num_steps, topk, budget)
+    tm, _ = tiny_target("llama")
+    torch.manual_seed(seed)
+    draft = random_draft(tm, draft_vocab_size=48)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(sharpness)                 # flat (0) to peaked draft distributions
+    draft.set_embedding(tm.embed_tokens)
+    hidden = torch.randn(B, draft.config.hidden_size)
+    trees, forwards = [], []
+    for prune in (False, True):
+        cache = KVPool(1, B, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
+        cache.lens[:] = torch.arange(B) + 5
+        calls = []
+        forward = draft.forward
+        draft.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        try:
+            trees.append(grow_tree(draft, cache, torch.arange(B), hidden, draft.compute_logits(hidden),
+                                   torch.arange(B), cache.lens.clone(), spec, prune=prune))
+        finally:
+            del draft.forward
+        forwards.append(len(calls))
+    full, pruned = trees
+    assert forwards[0] == num_steps - 1 and forwards[1] <= forwards[0]
+    for name in ("tokens", "parents", "depth", "mask", "positions"):
+        assert torch.equal(getattr(full, name), getattr(pruned, name)), name
+    SKIPPED.append(forwards[0] - forwards[1])
+
+
+SKIPPED: list[int] = []
+
+
+def test_skipped_levels_do_skip():
+    """The comparison above saw levels skipped (else it compared a tree with itself), and a chain never skips:
+    one candidate per level is always below budget."""
+    if not SKIPPED:
+        test_skipped_levels_leave_the_tree_unchanged()
+    assert sum(SKIPPED) > 0, SKIPPED
+    from sglang_eagle3.tree import levels_needed
+    assert levels_needed([torch.tensor([[-0.1]]), torch.tensor([[-0.2]])], torch.tensor([[-0.2]]), 4)
+    # 3 candidates at least as good as the best frontier node (score -1.0; an equal earlier score wins the tie)
+    scores = [torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.7, -1.5, -3.0, -4.0]])]
+    assert not levels_needed(scores, torch.tensor([[-1.0, -3.0]]), 4)
+    assert levels_needed(scores, torch.tensor([[-1.0, -3.0]]), 5)
+    assert levels_needed(scores + [torch.tensor([[-9.0]])], torch.tensor([[-0.6, -3.0]]), 4)   # one row is enough
+    assert levels_needed([torch.cat([s, s]) for s in scores], torch.tensor([[-1.0, -3.0], [-0.6, -3.0]]), 4)
+
+
 def test_topk1_is_a_chain_of_num_steps_plus_one():
     spec = SpecConfig(num_steps=5, topk=1, num_draft_tokens=99)
     assert spec.num_draft_tokens == 6
