@@ -7,8 +7,9 @@ Step 1 uses the draft's output from the extend over the target's fused features;
 runs the draft once on the `topk` best frontier nodes of every row (one batched forward per level),
 feeding the draft's own hidden output with the chosen token's embedding. Every expanded child is a
 candidate scored by its cumulative log-prob; the best num_draft_tokens - 1 candidates (always closed
-under ancestors) form the tree. Mask, depths, positions and retrieve paths are tensor operations (on CPU the
-selection and layout are one call of csrc/tree_ops.cpp, with the same result).
+under ancestors) form the tree. A level is not drafted once no node below the frontier could be among them
+(levels_needed: the same tree for fewer draft forwards). Mask, depths, positions and retrieve paths are tensor
+operations (on CPU the selection and layout are one call of csrc/tree_ops.cpp, with the same result).
 """
 from __future__ import annotations
 

@@ -149,11 +149,19 @@ def test_tune_engine_end_to_end(env, tmp_path, capsys):
     trees = tree_grid([1, 3], [1, 2], [4, 6])
     assert {(t["num_steps"], t["topk"], t["num_draft_tokens"]) for t in trees} == \
         {(1, 1, 2), (1, 2, 3), (3, 1, 4), (3, 2, 4), (3, 2, 6)}
+    # a tree of n tokens is at most n - 1 deep: deeper grid points are the same tree drafted for nothing
+    assert {(t["num_steps"], t["topk"], t["num_draft_tokens"]) for t in tree_grid([1, 2, 4], [1, 4], [2, 3])} == \
+        {(1, 1, 2), (2, 1, 3), (1, 4, 2), (1, 4, 3), (2, 4, 3)}
     grid = json.loads((tmp_path / "prof.grid.json").read_text())
     assert len(grid["rows"]) == 2 * (1 + len(trees))
     spec_rows = [r for r in grid["rows"] if r["tree"] is not None]
     assert all(r["identical_to_vanilla"] is True and r["accept_length"] >= 1 for r in spec_rows)
-    assert all(r["tokens"] == 2 * 6 and r["tokens_per_s"] > 0 for r in grid["rows"])
+    assert all(r["tokens"] == r["repeats"] * 2 * 6 and r["tokens_per_s"] > 0 for r in grid["rows"])
+    for bs in (1, 2):               # --confirm 3 (default): vanilla and the 3 fastest trees run 3 more times
+        mine = [r for r in grid["rows"] if r["batch_size"] == bs]
+        again = [r for r in mine if r["repeats"] == 4]
+        assert len(again) == 4 and any(r["tree"] is None for r in again)
+        assert all(r["repeats"] == 1 for r in mine if r not in again)
     prof = json.loads(out.read_text())
     assert prof["format"] == "sglang_eagle3.spec_profile/1" and set(prof["per_batch_size"]) == {"1", "2"}
     assert prof["per_batch_size"] == select_best(grid["rows"])
@@ -169,6 +177,7 @@ def test_tune_engine_end_to_end(env, tmp_path, capsys):
             assert spec is None
             assert entry["best_tree"]["speedup"] < 1.0 or entry["best_tree"]["accepted_drafts"] == 0
     assert "Best per batch size" in printed and "Greedy outputs identical to vanilla in 10/10" in printed
+    assert "Run again after the grid" in (tmp_path / "prof.md").read_text()
     assert (tmp_path / "prof.png").read_bytes()[:8] == PNG_MAGIC
     assert report.parse_markdown_table((tmp_path / "prof.md").read_text())[0] == ["tree", "bs=1", "bs=2"]
     # resume: nothing left to measure, same rows back

@@ -33,19 +33,28 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
     for key in ("vanilla", tree_key(trees[0])):
         engines[key].generate(chats[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
     plan = {bs: [t for t in [None] + trees if (bs, tree_key(t)) not in done] for bs in a.batch_sizes}
-    bar = tqdm(total=sum(len(v) for v in plan.values()) * a.repeats, desc="configs", unit="run",
-               dynamic_ncols=True, file=sys.stderr)
+    confirm = getattr(a, "confirm", 0)
+    confirm_runs = (min(confirm, len(trees)) + 1) * getattr(a, "confirm_repeats", 0) if confirm else 0
+    bar = tqdm(total=sum(len(v) * a.repeats + (confirm_runs if v else 0) for v in plan.values()), desc="configs",
+               unit="run", dynamic_ncols=True, file=sys.stderr)
     for bs, todo in plan.items():
         batch = _cycled(chats, bs, a.n)
         runs: dict[str, list] = {tree_key(t): [] for t in todo}
-        for _ in range(a.repeats):                 # repeats outermost: drift hits every tree alike
-            for t in todo:
-                bar.set_postfix_str(f"bs={bs} {tree_key(t)}")
-                t0 = time.perf_counter()
-                outs, st = engines[tree_key(t)].generate(batch, params, batch_size=bs)
-                runs[tree_key(t)].append((st.generated_tokens, time.perf_counter() - t0, st.verify_steps,
-                                          [o.token_ids for o in outs]))
-                bar.update(1)
+
+        def measure(ts: list, rounds: int) -> None:
+            for _ in range(rounds):                # repeats outermost: drift hits every tree alike
+                for t in ts:
+                    bar.set_postfix_str(f"bs={bs} {tree_key(t)}")
+                    t0 = time.perf_counter()
+                    outs, st = engines[tree_key(t)].generate(batch, params, batch_size=bs)
+                    runs[tree_key(t)].append((st.generated_tokens, time.perf_counter() - t0, st.verify_steps,
+                                              [o.token_ids for o in outs]))
+                    bar.update(1)
+        measure(todo, a.repeats)
+        if confirm and todo:                       # the fastest few again, close together in time, with vanilla
+            tps = lambda t: report.median(r[0] / r[1] for r in runs[tree_key(t)])  # noqa: E731
+            top = sorted((t for t in todo if t is not None), key=tps, reverse=True)[:confirm]
+            measure(([None] if None in todo else []) + top, a.confirm_repeats)
         van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
         rows = []
         for t in todo:

@@ -57,14 +57,16 @@ def parse_ints(text: str, flag: str) -> list[int]:
 
 
 def tree_grid(steps: list[int], topks: list[int], ndts: list[int]) -> list[dict]:
-    """Distinct valid trees; num_draft_tokens is capped at what (steps, topk) can draft."""
+    """Distinct valid trees; num_draft_tokens is capped at what (steps, topk) can draft, and num_steps at
+    num_draft_tokens - 1 (the deepest node such a tree can hold: deeper levels are drafted for nothing)."""
     from ..config import SpecConfig
     seen, out = set(), []
     for s in steps:
         for k in topks:
             cap = s + 1 if k == 1 else 1 + k + (s - 1) * k * k
             for n in ndts:
-                c = SpecConfig(s, k, min(n, cap))
+                n = min(n, cap)
+                c = SpecConfig(min(s, n - 1), k, n)
                 key = (c.num_steps, c.topk, c.num_draft_tokens)
                 if key not in seen:
                     seen.add(key)
@@ -269,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk-grid", default="1,2,4")
     p.add_argument("--num-draft-tokens-grid", default="4,8,16", help="capped at what each (steps, topk) can draft")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median tokens/s is kept")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="engine: the N fastest trees of each batch size and vanilla are run --confirm-repeats more "
+                        "times, alternated, after the grid (the best of one noisy pass over many trees is biased "
+                        "upwards); 0: none")
+    p.add_argument("--confirm-repeats", type=int, default=3)
     p.add_argument("--min-speedup", type=float, default=1.0,
                    help="speculate at a batch size only if the best tree beats vanilla by this factor")
     p.add_argument("--adaptive-tolerance", type=float, default=0.05,
@@ -362,7 +369,8 @@ def run(argv=None) -> int:
     a.batch_sizes = parse_ints(a.batch_sizes, "--batch-sizes")
     a.steps, a.topks = parse_ints(a.num_steps_grid, "--num-steps-grid"), parse_ints(a.topk_grid, "--topk-grid")
     a.ndts = parse_ints(a.num_draft_tokens_grid, "--num-draft-tokens-grid")
-    for flag, v, lo in (("--n", a.n, 1), ("--repeats", a.repeats, 1), ("--min-speedup", a.min_speedup, 0)):
+    for flag, v, lo in (("--n", a.n, 1), ("--repeats", a.repeats, 1), ("--min-speedup", a.min_speedup, 0),
+                        ("--confirm", a.confirm, 0), ("--confirm-repeats", a.confirm_repeats, 1)):
         if v < lo:
             raise UserError(f"{flag} must be >= {lo}, got {v}")
     if a.sampled_into is not None and a.temperature <= 0:
@@ -432,6 +440,11 @@ def run(argv=None) -> int:
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
             f"{best_table(best)}\n")
+    extra = sorted({(r["batch_size"], tree_key(r["tree"]), r["repeats"]) for r in rows
+                    if r.get("repeats", 0) > a.repeats and r.get("tokens_per_s") is not None})
+    if extra:
+        text += ("\nRun again after the grid (alternated, with vanilla; medians over all runs): "
+                 + ", ".join(f"bs {bs} {k} ({n} runs)" for bs, k, n in extra) + ".\n")
     checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
     if checked:
         text += f"\nGreedy outputs identical to vanilla in {sum(checked)}/{len(checked)} speculative runs.\n"
