@@ -94,7 +94,8 @@ def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(2, 5), st.integers(1, 4), st.integers(2, 12), st.integers(1, 3), st.floats(0.0, 4.0), st.integers(0, 99))
+@given(st.integers(2, 5), st.integers(1, 4), st.integers(2, 12), st.integers(1, 3), st.floats(0.0, 4.0),
+       st.integers(0, 99))
 def test_skipped_levels_leave_the_tree_unchanged(num_steps, topk, budget, B, sharpness, seed):
     """grow_tree skips a level's draft forward once no node below the frontier can enter the tree: the tree
     (tokens, parents, mask, positions) is exactly the one every level's forward gives."""
@@ -131,8 +132,8 @@ SKIPPED: list[int] = []
 
 
 def test_skipped_levels_do_skip():
-    """The comparison above saw levels skipped (else it compared a tree with itself), and a chain never skips:
-    one candidate per level is always below budget."""
+    """The comparison above saw levels skipped (else it compared a tree with itself); levels_needed on hand-made
+    scores."""
     if not SKIPPED:
         test_skipped_levels_leave_the_tree_unchanged()
     assert sum(SKIPPED) > 0, SKIPPED
@@ -142,7 +143,8 @@ def test_skipped_levels_do_skip():
     scores = [torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.7, -1.5, -3.0, -4.0]])]
     assert not levels_needed(scores, torch.tensor([[-1.0, -3.0]]), 4)
     assert levels_needed(scores, torch.tensor([[-1.0, -3.0]]), 5)
-    assert levels_needed(scores + [torch.tensor([[-9.0]])], torch.tensor([[-0.6, -3.0]]), 4)   # one row is enough
+    assert levels_needed(scores + [torch.tensor([[-9.0]])], torch.tensor([[-0.6, -3.0]]), 4)   # a better frontier
+    # two rows: drafting goes on while one of them still needs it
     assert levels_needed([torch.cat([s, s]) for s in scores], torch.tensor([[-1.0, -3.0], [-0.6, -3.0]]), 4)
 
 
