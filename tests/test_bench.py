@@ -15,7 +15,7 @@ import torch
 from conftest import JSONHandler, save_tiny_model_folder
 from sglang_eagle3.bench import report
 from sglang_eagle3.bench.acceptance import main as acceptance_main
-from sglang_eagle3.bench.tune import ProfileError, adaptive_config, load_profile, select_best, tree_grid
+from sglang_eagle3.bench.tune import ProfileError, adaptive_config, load_profile, select_best, tree_grid, tree_key
 from sglang_eagle3.bench.tune import main as tune_main
 from sglang_eagle3.cli import main as eagle3_main
 from sglang_eagle3.config import SpecConfig
@@ -162,6 +162,12 @@ def test_tune_engine_end_to_end(env, tmp_path, capsys):
         again = [r for r in mine if r["repeats"] == 4]
         assert len(again) == 4 and any(r["tree"] is None for r in again)
         assert all(r["repeats"] == 1 for r in mine if r not in again)
+        assert {tree_key(r["tree"]) for r in mine if r.get("confirmed")} == \
+            {tree_key(r["tree"]) for r in again if r["tree"] is not None}
+        prof_entry = json.loads(out.read_text())["per_batch_size"][str(bs)]
+        if prof_entry["speculation"]:       # chosen among the trees run again
+            assert tree_key({k: prof_entry[k] for k in ("num_steps", "topk", "num_draft_tokens")}) in \
+                {tree_key(r["tree"]) for r in again if r["tree"] is not None}
     prof = json.loads(out.read_text())
     assert prof["format"] == "sglang_eagle3.spec_profile/1" and set(prof["per_batch_size"]) == {"1", "2"}
     assert prof["per_batch_size"] == select_best(grid["rows"])
@@ -219,6 +225,11 @@ def test_select_best_and_adaptive_config():
     assert (select_best(lucky)["1"]["num_steps"], adaptive_config(lucky)["1"]) == (1, {"candidate_steps": [1]})
     assert select_best(lucky[:2])["1"]["speculation"] is False and adaptive_config(lucky[:2])["1"] == \
         {"candidate_steps": [0]}
+    # trees run again after the grid: the choice is among them, not a faster one measured less often
+    confirmed = [row(1, 100), {**row(1, 120, 1), "confirmed": True}, row(1, 130, 2), row(2, 190),
+                 row(2, 210, 1)]
+    best = select_best(confirmed)
+    assert (best["1"]["num_steps"], best["1"]["tokens_per_s"]) == (1, 120) and best["2"]["num_steps"] == 1
 
 
 def test_load_profile_routing_and_errors(tmp_path):

@@ -55,6 +55,7 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
             tps = lambda t: report.median(r[0] / r[1] for r in runs[tree_key(t)])  # noqa: E731
             top = sorted((t for t in todo if t is not None), key=tps, reverse=True)[:confirm]
             measure(([None] if None in todo else []) + top, a.confirm_repeats)
+        confirmed = {tree_key(t) for t in top} if confirm and todo else set()
         van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
         rows = []
         for t in todo:
@@ -65,7 +66,8 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                          "accept_length": report.safe_div(sum(r[0] for r in rs), sum(r[2] for r in rs)),
                          "accepted_drafts": None if t is None else sum(r[0] - r[2] for r in rs),
                          "identical_to_vanilla": (rs[0][3] == van_ids) if (van_ids is not None and t is not None
-                                                                           and params.greedy) else None})
+                                                                           and params.greedy) else None,
+                         **({"confirmed": True} if tree_key(t) in confirmed else {})})
         on_rows(rows)
     bar.close()
     return {"backend": "engine", "target": os.path.abspath(a.target) if os.path.isdir(a.target) else a.target,

@@ -96,9 +96,12 @@ def _useful(r: dict) -> bool:
 
 
 def select_best(rows: list[dict], min_speedup: float = 1.0) -> dict[str, dict]:
-    """Per batch size: the fastest tree, or speculation: false when vanilla is at least as good."""
+    """Per batch size: the fastest tree, or speculation: false when vanilla is at least as good. Where trees were
+    run again after the grid (confirmed), the choice is among those: a tree measured once more than the others
+    would otherwise win on its luck."""
     best = {}
     for bs, (van, specs) in _by_batch_size(rows).items():
+        specs = [r for r in specs if r.get("confirmed")] or specs
         fastest = max(specs, key=lambda r: r["tokens_per_s"], default=None)
         top = max(filter(_useful, specs), key=lambda r: r["tokens_per_s"], default=None)
         van_tps = van["tokens_per_s"] if van else None
@@ -440,10 +443,9 @@ def run(argv=None) -> int:
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
             f"{best_table(best)}\n")
-    extra = sorted({(r["batch_size"], tree_key(r["tree"]), r["repeats"]) for r in rows
-                    if r.get("repeats", 0) > a.repeats and r.get("tokens_per_s") is not None})
+    extra = sorted({(r["batch_size"], tree_key(r["tree"]), r["repeats"]) for r in rows if r.get("confirmed")})
     if extra:
-        text += ("\nRun again after the grid (alternated, with vanilla; medians over all runs): "
+        text += ("\nRun again after the grid, alternated with vanilla (medians over all runs), and chosen among: "
                  + ", ".join(f"bs {bs} {k} ({n} runs)" for bs, k, n in extra) + ".\n")
     checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
     if checked:
