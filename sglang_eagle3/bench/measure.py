@@ -33,8 +33,8 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
     for key in ("vanilla", tree_key(trees[0])):
         engines[key].generate(chats[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
     plan = {bs: [t for t in [None] + trees if (bs, tree_key(t)) not in done] for bs in a.batch_sizes}
-    confirm = getattr(a, "confirm", 0)
-    confirm_runs = (min(confirm, len(trees)) + 1) * getattr(a, "confirm_repeats", 0) if confirm else 0
+    confirm = a.confirm
+    confirm_runs = (min(confirm, len(trees)) + 1) * a.confirm_repeats if confirm else 0
     bar = tqdm(total=sum(len(v) * a.repeats + (confirm_runs if v else 0) for v in plan.values()), desc="configs",
                unit="run", dynamic_ncols=True, file=sys.stderr)
     for bs, todo in plan.items():
@@ -51,11 +51,12 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                                               [o.token_ids for o in outs]))
                     bar.update(1)
         measure(todo, a.repeats)
+        confirmed: set[str] = set()
         if confirm and todo:                       # the fastest few again, close together in time, with vanilla
             tps = lambda t: report.median(r[0] / r[1] for r in runs[tree_key(t)])  # noqa: E731
             top = sorted((t for t in todo if t is not None), key=tps, reverse=True)[:confirm]
             measure(([None] if None in todo else []) + top, a.confirm_repeats)
-        confirmed = {tree_key(t) for t in top} if confirm and todo else set()
+            confirmed = {tree_key(t) for t in top}
         van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
         rows = []
         for t in todo:

@@ -99,6 +99,7 @@ def run(argv=None) -> int:
     from ..hidden_dump import load_token_rows
     from ..target import TargetModel
     from ..testbed import resolve_target
+    from ..trainer.backend import adamw
     from ..ttt import ttt_forward
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -113,7 +114,7 @@ def run(argv=None) -> int:
     draft = Eagle3DraftModel(cfg)
     draft.set_vocab_mapping(torch.arange(draft_vocab))
     draft.set_embedding(tm.embed_tokens)
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-5, fused=True)          # as the trainer's on CPU
+    opt = adamw(draft.parameters(), lr=1e-5)                              # the trainer's optimizer
     feats = []
     for ids, mask in rows:
         x = torch.from_numpy(ids).long()[None]
