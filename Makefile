@@ -115,14 +115,21 @@ dump: $(STAMP)  ## target features of the training data, bf16 safetensors shards
 	$(BIN)/python train/dump_hidden_states.py --target testbed --data $(DATA_OUT) --out $(DUMP_OUT) \
 	    --target-dtype $(TARGET_DTYPE) --dtype bfloat16 --rows-per-shard 128 --batch-tokens 4096 $(foreach d,$(REUSE),--reuse $(d))
 
-TRAIN_ARGS = --target testbed --data $(DUMP_OUT) --out $(TRAIN_OUT) \
+# ONLINE=1: train from DATA_OUT's token rows, the target computing the features in each step (no dump)
+ONLINE ?= 0
+TRAIN_DATA = $(if $(filter 1,$(ONLINE)),$(DATA_OUT),$(DUMP_OUT))
+TRAIN_ARGS = --target testbed --data $(TRAIN_DATA) --out $(TRAIN_OUT) \
 	    $(if $(VOCAB_SIZE),--draft-vocab-size $(VOCAB_SIZE),$(if $(INIT),,--draft-vocab $(DATA_OUT)/draft_vocab.safetensors)) \
 	    --max-length $(MAX_LEN) --lr $(LR) --warmup-ratio $(WARMUP) --min-lr-ratio 0.1 $(if $(filter 1,$(PACK)),--micro-batch-size $(ROWS) --pack-rows,--grad-accum $(ROWS)) \
 	    --max-steps $(STEPS) --eval-every 100 --save-every 25 --keep-every $(KEEP_EVERY) --eval-rows 32 --features $(FEATURES) \
 	    --feature-loss-weight $(FEATURE_LOSS) $(if $(filter 1,$(EAGLE31)),--fc-norm --norm-output) \
 	    $(if $(INIT),--init-from $(INIT)) --data-start-step $(DATA_START) --resume $(TRAIN_FLAGS)
-train: $(STAMP)  ## train the draft from the dump (resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
-	@test -f $(DUMP_OUT)/manifest.json || { echo "missing $(DUMP_OUT): run 'make dump' first"; exit 2; }
+train: $(STAMP)  ## train the draft from the dump (ONLINE=1: from the token rows; resumes); NPROC=2: 2 ranks with DeepSpeed ZeRO-2 over gloo
+ifeq ($(ONLINE),1)
+	@test -f $(DATA_OUT)/stats.json || { echo "missing $(DATA_OUT): run 'make data' first"; exit 2; }
+else
+	@test -f $(DUMP_OUT)/manifest.json || { echo "missing $(DUMP_OUT): run 'make dump' first (or ONLINE=1)"; exit 2; }
+endif
 ifeq ($(NPROC),1)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/eagle3 train $(TRAIN_ARGS) --backend ddp
 else

@@ -456,6 +456,7 @@ def test_trainer_speed_reports_every_configuration(env, tmp_path, capsys):
     assert set(r["configs"]) == {"fp32 (before)", "fp32", "bf16 autocast (after)",
                                  "bf16 autocast, online (target features each step)",
                                  "bf16 autocast, 2 rows packed per forward",
+                                 "bf16 autocast, 2 rows packed per forward, online (`make train ONLINE=1`)",
                                  "bf16 autocast, 2 rows packed per forward, every chain grown",
                                  "bf16 autocast, 2 rows packed per forward, loss in PyTorch ops (no csrc kernels), "
                                  "every chain grown"}

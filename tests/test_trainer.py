@@ -181,6 +181,26 @@ def test_plain_pytorch_online_top_features(setup, tmp_path):
         Trainer(TrainConfig(**{**cfg.__dict__, "resume": True, "micro_batch_size": 2})).run()
 
 
+def test_online_batches_equal_the_dumped_features(setup, tmp_path):
+    """Online on CPU runs the target on each row alone (no padded forward): a packed batch of rows of different
+    lengths, some cut at max_length, holds the same features as the dump made from the same target."""
+    _, target, data, dump = setup
+    common = dict(target=target, eval_rows=4, max_steps=1, micro_batch_size=3, pack_rows=True, max_length=24,
+                  backend="ddp", dtype="float32", progress=False, tensorboard=False, draft_vocab_size=48)
+    online = Trainer(TrainConfig(data=data, out=str(tmp_path / "on"), **common))
+    offline = Trainer(TrainConfig(data=dump, out=str(tmp_path / "off"), **common))
+    assert (online.mode, offline.mode) == ("online", "offline")
+    rows = [i for i in range(80) if i not in online.eval_idx][:3]
+    shapes, features = [], online.target.features
+    online.target.features = lambda ids, *mask: shapes.append(tuple(ids.shape)) or features(ids, *mask)
+    a, b = online.make_batch(online.data, rows), offline.make_batch(offline.data, rows)
+    assert shapes == [(1, n) for n in a["row_lengths"].tolist()]                         # one forward per row
+    assert a.keys() == b.keys() and a["row_lengths"].tolist() == b["row_lengths"].tolist()
+    assert a["row_lengths"].max() == 24 and a["row_lengths"].min() < 24                  # cut and uncut rows
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-5, msg=k)
+
+
 def test_step_sampler_is_a_deterministic_partition():
     idx = np.arange(3, 50)
     per_rank = [StepSampler(idx, 2, r, micro_batch_size=3, grad_accum=2, seed=7) for r in range(2)]

@@ -132,7 +132,8 @@ def run(argv=None) -> int:
                f"{packed_name}, loss in PyTorch ops (no csrc kernels), every chain grown":
                    (True, True, False, a.pack, False, True),
                f"{packed_name}, every chain grown": (True, True, False, a.pack, True, True),
-               packed_name: (True, True, False, a.pack, True, False)}
+               packed_name: (True, True, False, a.pack, True, False),
+               f"{packed_name}, online (`make train ONLINE=1`)": (True, True, True, a.pack, True, False)}
 
     def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool, grow_all: bool) -> float:
         with kernels.using("auto" if kernel else "off"):

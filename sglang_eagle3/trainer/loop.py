@@ -305,13 +305,26 @@ class Trainer:
     # ---- batches -------------------------------------------------------------------------------
     def make_batch(self, data, rows: list[int]) -> dict:
         want_aux = self.cfg.features == "fused"
-        items = [data.read(i, aux=want_aux) if self.mode == "offline" else data[i] for i in rows]
+        if self.mode == "offline":
+            items = [data.read(i, aux=want_aux) for i in rows]
+        elif self.device.type == "cpu":          # compute-bound: the target runs on each row alone, not on padding
+            items = [self.with_target_features(data[i]) for i in rows]
+        else:
+            items = [data[i] for i in rows]
         batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items, self.cfg.max_length).items()}
-        if self.mode == "online":
+        if self.mode == "online" and "last_hidden" not in batch:     # GPU: one padded target forward for the batch
             with torch.no_grad():
                 batch["aux_hidden_states"], batch["last_hidden"] = self.target.features(
                     batch["input_ids"], batch["attention_mask"])
         return pack(batch) if self.cfg.pack_rows else batch
+
+    @torch.no_grad()
+    def with_target_features(self, item: dict) -> dict:
+        """Online mode on CPU: a token row (cut to max_length) plus the target's aux_hidden_states [n, n_aux*H]
+        and last_hidden [n, H], computed on the row alone."""
+        item = {k: v[:self.cfg.max_length] for k, v in item.items()}
+        aux, last = self.target.features(item["input_ids"][None])
+        return {**item, "aux_hidden_states": aux[0], "last_hidden": last[0]}
 
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
