@@ -106,6 +106,51 @@ def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
                          greedy=True)["draft_vocab_coverage"] is None
 
 
+def test_acceptance_baseline_draft_side_by_side(env, tmp_path, capsys):
+    """--baseline-draft B: B decoded on every prompt beside --draft, each draft's numbers equal to a run of it alone
+    (greedy, fp32: deterministic), the three runs' order rotated, the comparison table in the .md."""
+    other = tmp_path / "other"
+    assert eagle3_main(["init-draft", "--target", env["target"], "--out", str(other), "--draft-vocab-size", "48",
+                        "--dtype", "float32", "--seed", "7"]) == 0
+    both, alone_a, alone_b = tmp_path / "both.json", tmp_path / "a.json", tmp_path / "b.json"
+    sets = ("--datasets", "mt_bench,gsm8k,alpaca")
+    assert acceptance(env, both, *sets, "--baseline-draft", str(other)) == 0
+    assert acceptance(env, alone_a, *sets) == 0
+    assert acceptance_main(["--target", env["target"], "--draft", str(other), "--n", "2", "--max-new-tokens", "6",
+                            "--ignore-eos", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
+                            "--threads", "1", "--out", str(alone_b), *sets]) == 0
+    res, a, b = (json.loads(f.read_text()) for f in (both, alone_a, alone_b))
+    assert res["config"]["baseline_draft"] == str(other) and res["baseline"]["draft"] == str(other)
+    for name, s in res["sets"].items():
+        base = res["baseline"]["sets"][name]
+        for mine, alone in ((s, a["sets"][name]), (base, b["sets"][name])):
+            assert (mine["decode_steps"], mine["tau"], mine["accept_histogram"]) == \
+                (alone["decode_steps"], alone["tau"], alone["accept_histogram"])
+        assert base["identical_to_vanilla"] == 2 and "per_prompt" not in base
+        orders = [p["order"] for p in s["per_prompt"]]
+        assert orders == [["vanilla", "spec", "baseline"], ["spec", "baseline", "vanilla"]]
+        ratios = [p["speedup"] / p["baseline"]["speedup"] for p in s["per_prompt"]]
+        assert base["draft_over_baseline_median"] == pytest.approx(report.median(ratios))
+    assert res["baseline"]["average"]["tau"] == pytest.approx(b["average"]["tau"])
+    md = (tmp_path / "both.md").read_text()
+    assert "Side by side with the baseline draft" in md and "| τ draft | τ baseline |" in md
+    assert "Baseline greedy outputs identical to vanilla: mt_bench 2/2, gsm8k 2/2, alpaca 2/2." in md
+    # resumed: the finished sets of both drafts are reused
+    assert acceptance(env, both, *sets, "--baseline-draft", str(other)) == 0
+    assert json.loads(both.read_text())["baseline"]["sets"] == res["baseline"]["sets"]
+    # a baseline that reads other target layers is refused in one line
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    (other / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--baseline-draft", str(other)) == 2
+    err = capsys.readouterr().err
+    assert "--baseline-draft" in err and "aux_layer_ids [0, 1, 2] differs" in err and err.count("\n") == 1
+    assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--baseline-draft", str(tmp_path / "nope")) == 2
+    err = capsys.readouterr().err
+    assert "--baseline-draft" in err and "no config.json" in err and err.count("\n") == 1
+
+
 def test_acceptance_resumes_finished_sets(env, tmp_path, capsys):
     out = tmp_path / "acc.json"
     assert acceptance(env, out, "--datasets", "gsm8k") == 0

@@ -9,6 +9,10 @@ tau (mean acceptance length): tokens emitted per draft-and-verify cycle, bonus t
 pooled over all decoding steps of the set; the token sampled at prefill is not a cycle and is left out.
 Speed-up: per prompt (speculative tokens/s over vanilla tokens/s, median over prompts) and the ratio of
 the set's total tokens/s.
+
+--baseline-draft B compares two drafts side by side: every prompt is decoded three times (vanilla, --draft,
+B; the order rotated from prompt to prompt), so both drafts are measured against the same vanilla run in the
+same spell of the machine, and their tokens/s ratio per prompt needs no second benchmark run.
 """
 from __future__ import annotations
 
@@ -76,21 +80,56 @@ def run_conversation(engine, turns: list[str], make_params) -> dict:
             "accept_lengths": steps}
 
 
-def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool, in_draft_vocab=None) -> dict:
-    """in_draft_vocab: [vocab] bool, the target ids the draft can propose (counts the vanilla tokens it holds)."""
-    runs = {}
-    for name in (("spec", "vanilla") if spec_first else ("vanilla", "spec")):
-        runs[name] = run_conversation(spec_engine if name == "spec" else van_engine, turns, make_params)
+def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool, in_draft_vocab=None,
+                 baseline_engine=None, rotate: int = 0) -> dict:
+    """in_draft_vocab: [vocab] bool, the target ids the draft can propose (counts the vanilla tokens it holds).
+    baseline_engine: a second draft's engine, run on the same turns (its numbers under "baseline"); the three runs
+    then go in the order vanilla, spec, baseline rotated left by `rotate` (spec_first is not used)."""
+    engines = {"vanilla": van_engine, "spec": spec_engine}
+    if baseline_engine is None:
+        order = ["spec", "vanilla"] if spec_first else ["vanilla", "spec"]
+    else:
+        engines["baseline"] = baseline_engine
+        order = ["vanilla", "spec", "baseline"]
+        order = order[rotate % 3:] + order[:rotate % 3]
+    runs = {name: run_conversation(engines[name], turns, make_params) for name in order}
     v, s = runs["vanilla"], runs["spec"]
+    row = {"turns": len(turns), "tokens_vanilla": v["tokens"], "time_vanilla_s": v["time_s"],
+           **_spec_fields(v, s), "spec_first": order.index("spec") < order.index("vanilla"),
+           "in_draft_vocab": None if in_draft_vocab is None else
+           sum(int(in_draft_vocab[t].sum()) for t in v["token_ids"] if len(t)),
+           "_accept_lengths": s["accept_lengths"]}
+    if baseline_engine is not None:
+        b = runs["baseline"]
+        row["order"] = order
+        row["baseline"] = _spec_fields(v, b)
+        row["_baseline_accept_lengths"] = b["accept_lengths"]
+    return row
+
+
+def _spec_fields(v: dict, s: dict) -> dict:
+    """A speculative run's numbers against the vanilla run of the same turns."""
     tps_v, tps_s = report.safe_div(v["tokens"], v["time_s"]), report.safe_div(s["tokens"], s["time_s"])
-    return {"turns": len(turns), "tokens_vanilla": v["tokens"], "tokens_spec": s["tokens"],
-            "time_vanilla_s": v["time_s"], "time_spec_s": s["time_s"],
+    return {"tokens_spec": s["tokens"], "time_spec_s": s["time_s"],
             "speedup": report.safe_div(tps_s, tps_v) if tps_v and tps_s else None,
             "decode_steps": len(s["accept_lengths"]), "accepted_tokens": sum(s["accept_lengths"]),
-            "identical": v["token_ids"] == s["token_ids"], "spec_first": spec_first,
-            "in_draft_vocab": None if in_draft_vocab is None else
-            sum(int(in_draft_vocab[t].sum()) for t in v["token_ids"] if len(t)),
-            "_accept_lengths": s["accept_lengths"]}
+            "identical": v["token_ids"] == s["token_ids"]}
+
+
+def baseline_rows(rows: list[dict]) -> list[dict]:
+    """The rows as the baseline draft's: its speculative numbers in place of the main draft's."""
+    return [{**{k: v for k, v in r.items() if k not in ("baseline", "order")}, **r["baseline"],
+             "_accept_lengths": r["_baseline_accept_lengths"]} for r in rows]
+
+
+def summarize_baseline(rows: list[dict], greedy: bool, max_accept: int) -> dict:
+    """The baseline draft's set totals (per-prompt numbers stay in the main set's per_prompt[i]["baseline"]), and
+    the median over prompts of the main draft's tokens/s over the baseline's (the same vanilla run divides both)."""
+    out = summarize_set(baseline_rows(rows), greedy, max_accept)
+    del out["per_prompt"]
+    out["draft_over_baseline_median"] = report.median(
+        r["speedup"] / r["baseline"]["speedup"] for r in rows if r["speedup"] and r["baseline"]["speedup"])
+    return out
 
 
 def summarize_set(rows: list[dict], greedy: bool, max_accept: int = 1) -> dict:
@@ -121,10 +160,13 @@ def average_row(sets: dict) -> dict:
     def mean(key):
         xs = [s[key] for s in sets.values() if s.get(key) is not None]
         return sum(xs) / len(xs) if xs else None
-    return {"tau": mean("tau"), "speedup_median": mean("speedup_median"), "speedup_total": mean("speedup_total"),
-            "tokens_per_s_vanilla": mean("tokens_per_s_vanilla"), "tokens_per_s_spec": mean("tokens_per_s_spec"),
-            "draft_vocab_coverage": mean("draft_vocab_coverage"), "n_prompts": sum(s["n_prompts"] for s in sets.values()),
-            "tokens_spec": sum(s["tokens_spec"] for s in sets.values())}
+    out = {"tau": mean("tau"), "speedup_median": mean("speedup_median"), "speedup_total": mean("speedup_total"),
+           "tokens_per_s_vanilla": mean("tokens_per_s_vanilla"), "tokens_per_s_spec": mean("tokens_per_s_spec"),
+           "draft_vocab_coverage": mean("draft_vocab_coverage"), "n_prompts": sum(s["n_prompts"] for s in sets.values()),
+           "tokens_spec": sum(s["tokens_spec"] for s in sets.values())}
+    if any("draft_over_baseline_median" in s for s in sets.values()):      # a baseline draft's sets
+        out["draft_over_baseline_median"] = mean("draft_over_baseline_median")
+    return out
 
 
 # ---- outputs ---------------------------------------------------------------------------------
@@ -157,11 +199,38 @@ def caption(result: dict) -> str:
             f"the draft vocabulary holds (no draft token is accepted on the others).")
 
 
+COMPARE_HEADERS = ["Set", "τ draft", "τ baseline", "speed-up draft", "speed-up baseline",
+                   "draft / baseline tokens/s"]
+
+
+def compare_rows(result: dict) -> list[list]:
+    base = result["baseline"]
+    rows = []
+    for name, s in result["sets"].items():
+        b = base["sets"][name]
+        rows.append([PAPER_NAMES.get(name, name), s["tau"], b["tau"], report.fmt_speedup(s["speedup_median"]),
+                     report.fmt_speedup(b["speedup_median"]), report.fmt_speedup(b["draft_over_baseline_median"])])
+    a, b = result["average"], base["average"]
+    rows.append(["Average", a["tau"], b["tau"], report.fmt_speedup(a["speedup_median"]),
+                 report.fmt_speedup(b["speedup_median"]), report.fmt_speedup(b["draft_over_baseline_median"])])
+    return rows
+
+
 def markdown_report(result: dict) -> str:
     lines = [caption(result), "", report.format_table(TABLE_HEADERS, table_rows(result))]
-    if result["config"]["temperature"] == 0:
+    greedy = result["config"]["temperature"] == 0
+    if greedy:
         same = ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in result["sets"].items())
         lines += ["", f"Greedy outputs identical to vanilla: {same}."]
+    if result.get("baseline"):
+        base = result["baseline"]
+        lines += ["", f"Side by side with the baseline draft {base['draft']} (decoded on every prompt in the same "
+                      "run, beside the same vanilla run, the order of the three rotated; the last column is the "
+                      "median over prompts of the two drafts' tokens/s ratio):", "",
+                  report.format_table(COMPARE_HEADERS, compare_rows(result))]
+        if greedy:
+            same = ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in base["sets"].items())
+            lines += ["", f"Baseline greedy outputs identical to vanilla: {same}."]
     return "\n".join(lines) + "\n"
 
 
@@ -208,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="results JSON; the table goes to .md and the histogram to _hist.png")
     p.add_argument("--fresh", action="store_true", help="ignore sets already in --out (default: resume them "
                                                        "when the run settings match)")
+    p.add_argument("--baseline-draft", default=None, metavar="DRAFT",
+                   help="a second draft decoded on every prompt beside --draft (same target and tree, the vanilla "
+                        "run shared, the order rotated): both drafts' τ and speed-ups side by side in one run")
     add_spec_args(p)
     add_compile_arg(p)
     return p
@@ -215,23 +287,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(a, target: str, draft: str) -> dict:
     """The settings a stored set must share to be reused (the list of sets may grow)."""
-    return {"target": target, "draft": draft, "dtype": a.dtype, "temperature": a.temperature,
+    baseline = {"baseline_draft": os.path.abspath(a.baseline_draft)} if a.baseline_draft else {}
+    return {"target": target, "draft": draft, **baseline, "dtype": a.dtype, "temperature": a.temperature,
             "seed": a.seed if a.temperature > 0 else None, "n": a.n, "max_new_tokens": a.max_new_tokens,
             "ignore_eos": a.ignore_eos, "compile": a.compile,
             "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens}}
 
 
-def _resumable(out: str, config: dict, fresh: bool) -> dict:
+def _resumable(out: str, config: dict, fresh: bool) -> tuple[dict, dict]:
+    """(finished sets, their baseline summaries) of an earlier run of the same settings."""
     if fresh or not os.path.isfile(out):
-        return {}
+        return {}, {}
     try:
         old = report.read_json(out)
     except ValueError:
-        return {}
+        return {}, {}
     if old.get("format") != FORMAT or old.get("config") != config:
         print(f"note: {out} was made with other settings; starting over", file=sys.stderr)
-        return {}
-    return dict(old.get("sets", {}))
+        return {}, {}
+    return dict(old.get("sets", {})), dict((old.get("baseline") or {}).get("sets", {}))
 
 
 def run(argv=None) -> int:
@@ -253,6 +327,8 @@ def run(argv=None) -> int:
     draft = a.draft or shipped_draft()
     if not draft or draft == "none":
         raise UserError("--draft is required (no shipped draft yet; `eagle3 init-draft --out D` writes a random one)")
+    if a.baseline_draft:
+        check_baseline(a.baseline_draft, draft)
     sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data)
     prompts = {k: load_prompts(path, limit=a.n) for k, path in sets.items()}
     try:
@@ -264,22 +340,28 @@ def run(argv=None) -> int:
           file=sys.stderr)
     target = resolve_target(a.target)
     config = _config(a, target, os.path.abspath(draft))
-    done = _resumable(a.out, config, a.fresh)
+    done, done_base = _resumable(a.out, config, a.fresh)
 
     spec_engine = load_engine(target, draft, spec, a.dtype)
     van_engine = SpeculativeEngine(spec_engine.target, None)
+    base_engine = load_baseline(a.baseline_draft, spec_engine, spec) if a.baseline_draft else None
     in_draft_vocab = spec_engine.draft.t2d.cpu()                      # [vocab] bool
     warm = [[{"role": "user", "content": "Hello"}]]
-    for eng in (van_engine, spec_engine):                 # first-call overheads out of the timings
-        eng.generate(warm, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for eng in (van_engine, spec_engine, base_engine):    # first-call overheads out of the timings
+        if eng is not None:
+            eng.generate(warm, SamplingParams(max_new_tokens=8, ignore_eos=True))
 
     result = {"format": FORMAT, "config": config, "meta": report.run_metadata(), "tau_definition": TAU_DEFINITION,
               "datasets": sets, "sets": {}, "average": None}
+    if base_engine is not None:
+        result["baseline"] = {"draft": config["baseline_draft"], "sets": {}, "average": None}
     todo = sum(len(p) for k, p in prompts.items() if k not in done)
     bar = tqdm(total=todo, desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
     for si, (name, convs) in enumerate(prompts.items()):
-        if name in done:
+        if name in done and (base_engine is None or name in done_base):
             result["sets"][name] = done[name]
+            if base_engine is not None:
+                result["baseline"]["sets"][name] = done_base[name]
             continue
         turns_kept = convs if name == "mt_bench" else [c[:1] for c in convs]
         rows = []
@@ -288,15 +370,20 @@ def run(argv=None) -> int:
                 from dataclasses import replace
                 return replace(base, seed=turn_seed(a.seed, si, i, k)) if a.temperature > 0 else base
             rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, spec_first=i % 2 == 1,
-                                     in_draft_vocab=in_draft_vocab))
+                                     in_draft_vocab=in_draft_vocab, baseline_engine=base_engine, rotate=i))
             tau = report.safe_div(sum(r["accepted_tokens"] for r in rows), sum(r["decode_steps"] for r in rows))
             bar.set_postfix_str(f"{name} τ={report.fmt_num(tau)}")
             bar.update(1)
         result["sets"][name] = summarize_set(rows, greedy=base.greedy, max_accept=spec.num_steps + 1)
         result["average"] = average_row(result["sets"])
+        if base_engine is not None:
+            result["baseline"]["sets"][name] = summarize_baseline(rows, base.greedy, spec.num_steps + 1)
+            result["baseline"]["average"] = average_row(result["baseline"]["sets"])
         report.write_json_atomic(a.out, result)           # a finished set survives an interrupted run
     bar.close()
     result["average"] = average_row(result["sets"])
+    if base_engine is not None:
+        result["baseline"]["average"] = average_row(result["baseline"]["sets"])
     report.write_json_atomic(a.out, result)
     md = markdown_report(result)
     md_path = report.write_text_atomic(report.sibling(a.out, ".md"), md)
@@ -304,6 +391,28 @@ def run(argv=None) -> int:
     print(md)
     print(f"wrote {os.path.abspath(a.out)}\n      {md_path}\n      {png}")
     return 0
+
+
+def check_baseline(path: str, draft: str) -> None:
+    """Before anything loads: the baseline draft must read the same target features as --draft."""
+    from ..cli import UserError
+    from ..config import ConfigError, Eagle3Config
+    try:
+        mine, base = Eagle3Config.load(draft), Eagle3Config.load(path)
+    except ConfigError as e:
+        raise UserError(f"--baseline-draft {path}: {e}") from None
+    for key in ("aux_layer_ids", "target_hidden_size"):
+        if getattr(base, key) != getattr(mine, key):
+            raise UserError(f"--baseline-draft {path}: {key} {getattr(base, key)} differs from --draft's "
+                            f"{getattr(mine, key)} (both must read the same target features)")
+
+
+def load_baseline(path: str, spec_engine, spec):
+    """The baseline draft's engine on the main engine's target (loaded once)."""
+    from ..engine import SpeculativeEngine
+    from ..generate_cli import load_draft
+    return SpeculativeEngine(spec_engine.target, load_draft(path, spec_engine.target.dtype, spec_engine.target.device),
+                             spec)
 
 
 def main(argv=None) -> int:
