@@ -149,6 +149,12 @@ def test_acceptance_baseline_draft_side_by_side(env, tmp_path, capsys):
     assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--baseline-draft", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err
     assert "--baseline-draft" in err and "no config.json" in err and err.count("\n") == 1
+    # a broken --draft is reported as --draft's problem, not the baseline's
+    assert acceptance_main(["--target", env["target"], "--draft", str(tmp_path / "nope"), "--n", "1",
+                            "--datasets", "gsm8k", "--baseline-draft", env["draft"], "--out", str(tmp_path / "y.json")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "error: --draft" in last and "no such folder" in last and "--baseline-draft" not in err
 
 
 def test_acceptance_resumes_finished_sets(env, tmp_path, capsys):

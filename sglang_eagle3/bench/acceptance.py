@@ -216,12 +216,16 @@ def compare_rows(result: dict) -> list[list]:
     return rows
 
 
+def identical_counts(sets: dict) -> str:
+    """'mt_bench 10/10, gsm8k 9/10': greedy outputs identical to vanilla, per set."""
+    return ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in sets.items())
+
+
 def markdown_report(result: dict) -> str:
     lines = [caption(result), "", report.format_table(TABLE_HEADERS, table_rows(result))]
     greedy = result["config"]["temperature"] == 0
     if greedy:
-        same = ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in result["sets"].items())
-        lines += ["", f"Greedy outputs identical to vanilla: {same}."]
+        lines += ["", f"Greedy outputs identical to vanilla: {identical_counts(result['sets'])}."]
     if result.get("baseline"):
         base = result["baseline"]
         lines += ["", f"Side by side with the baseline draft {base['draft']} (decoded on every prompt in the same "
@@ -229,8 +233,7 @@ def markdown_report(result: dict) -> str:
                       "median over prompts of the two drafts' tokens/s ratio):", "",
                   report.format_table(COMPARE_HEADERS, compare_rows(result))]
         if greedy:
-            same = ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in base["sets"].items())
-            lines += ["", f"Baseline greedy outputs identical to vanilla: {same}."]
+            lines += ["", f"Baseline greedy outputs identical to vanilla: {identical_counts(base['sets'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -398,9 +401,13 @@ def check_baseline(path: str, draft: str) -> None:
     from ..cli import UserError
     from ..config import ConfigError, Eagle3Config
     try:
-        mine, base = Eagle3Config.load(draft), Eagle3Config.load(path)
+        base = Eagle3Config.load(path)
     except ConfigError as e:
         raise UserError(f"--baseline-draft {path}: {e}") from None
+    try:
+        mine = Eagle3Config.load(draft)
+    except ConfigError:
+        return                                    # --draft's own loader reports what is wrong with it
     for key in ("aux_layer_ids", "target_hidden_size"):
         if getattr(base, key) != getattr(mine, key):
             raise UserError(f"--baseline-draft {path}: {key} {getattr(base, key)} differs from --draft's "
