@@ -99,10 +99,10 @@ def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
 
     in_vocab = torch.zeros(10, dtype=torch.bool)
     in_vocab[[1, 2, 3]] = True
-    row = bench_prompt(Fake([1, 5, 2, 9]), Fake([1, 5, 2, 9]), ["a", "b"], lambda k: None, False, in_vocab)
+    row = bench_prompt(Fake([1, 5, 2, 9]), Fake([1, 5, 2, 9]), ["a", "b"], lambda k: None, 0, in_vocab)
     assert row["in_draft_vocab"] == 4 and row["tokens_vanilla"] == 8              # 2 of 4 per turn, two turns
     assert summarize_set([row], greedy=True)["draft_vocab_coverage"] == 0.5
-    assert summarize_set([bench_prompt(Fake([1]), Fake([1]), ["a"], lambda k: None, False)],
+    assert summarize_set([bench_prompt(Fake([1]), Fake([1]), ["a"], lambda k: None, 0)],
                          greedy=True)["draft_vocab_coverage"] is None
 
 

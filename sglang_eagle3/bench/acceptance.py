@@ -80,18 +80,17 @@ def run_conversation(engine, turns: list[str], make_params) -> dict:
             "accept_lengths": steps}
 
 
-def bench_prompt(van_engine, spec_engine, turns, make_params, spec_first: bool, in_draft_vocab=None,
-                 baseline_engine=None, rotate: int = 0) -> dict:
+def bench_prompt(van_engine, spec_engine, turns, make_params, rotate: int = 0, in_draft_vocab=None,
+                 baseline_engine=None) -> dict:
     """in_draft_vocab: [vocab] bool, the target ids the draft can propose (counts the vanilla tokens it holds).
-    baseline_engine: a second draft's engine, run on the same turns (its numbers under "baseline"); the three runs
-    then go in the order vanilla, spec, baseline rotated left by `rotate` (spec_first is not used)."""
+    baseline_engine: a second draft's engine, run on the same turns (its numbers under "baseline").
+    The runs go in the order vanilla, spec(, baseline) rotated left by `rotate` (the prompt's index: who goes first
+    alternates from prompt to prompt)."""
     engines = {"vanilla": van_engine, "spec": spec_engine}
-    if baseline_engine is None:
-        order = ["spec", "vanilla"] if spec_first else ["vanilla", "spec"]
-    else:
+    if baseline_engine is not None:
         engines["baseline"] = baseline_engine
-        order = ["vanilla", "spec", "baseline"]
-        order = order[rotate % 3:] + order[:rotate % 3]
+    order = list(engines)
+    order = order[rotate % len(order):] + order[:rotate % len(order)]
     runs = {name: run_conversation(engines[name], turns, make_params) for name in order}
     v, s = runs["vanilla"], runs["spec"]
     row = {"turns": len(turns), "tokens_vanilla": v["tokens"], "time_vanilla_s": v["time_s"],
@@ -372,8 +371,8 @@ def run(argv=None) -> int:
             def make_params(k, i=i):
                 from dataclasses import replace
                 return replace(base, seed=turn_seed(a.seed, si, i, k)) if a.temperature > 0 else base
-            rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, spec_first=i % 2 == 1,
-                                     in_draft_vocab=in_draft_vocab, baseline_engine=base_engine, rotate=i))
+            rows.append(bench_prompt(van_engine, spec_engine, turns, make_params, rotate=i,
+                                     in_draft_vocab=in_draft_vocab, baseline_engine=base_engine))
             tau = report.safe_div(sum(r["accepted_tokens"] for r in rows), sum(r["decode_steps"] for r in rows))
             bar.set_postfix_str(f"{name} τ={report.fmt_num(tau)}")
             bar.update(1)
