@@ -55,6 +55,9 @@ class KVPool:
         B, A = keep.shape
         if B == 0:
             return
+        if B == 1 and not self.k.is_cuda:          # one row on CPU: a strided copy per moved slot, no gathers
+            self._commit_one(int(rows[0]), keep[0, :int(num_keep[0])].tolist())
+            return
         start = self.lens[rows]                                                        # [B]
         src = start.view(B, 1) + keep                                                  # [B, A]
         if not torch.equal(keep, torch.arange(A, device=keep.device).expand(B, A)):    # compaction needed
@@ -64,6 +67,16 @@ class KVPool:
                 moved = cache[:, r, :, src]                                            # [L, B, A, nKV, D]
                 cache[:, r, :, dst] = moved
         self.lens[rows] = start + num_keep
+
+    def _commit_one(self, row: int, keep: list[int]) -> None:
+        """commit for one row: slot start+keep[j] -> start+j, in increasing j (a later source is never a
+        destination already written: start+keep[j'] >= start+j' > start+j)."""
+        start = int(self.lens[row])
+        for j, s in enumerate(keep):
+            if s != j:
+                for cache in (self.k, self.v):
+                    cache[:, row, :, start + j].copy_(cache[:, row, :, start + s])     # [L, nKV, D]
+        self.lens[row] = start + len(keep)
 
     def commit_prefix(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         """Keep the first num_new[b] uncommitted slots of each row (prefill, draft extend)."""

@@ -311,3 +311,24 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused):
             assert torch.equal(alone[0], together[b]), b
     finally:
         del tm._layer_step_ok[K.mode()]
+
+
+def test_one_row_commit_moves_what_the_batched_commit_moves():
+    """kvcache.commit has a one-row CPU path (strided copies) beside the gathers of the batched one: both move
+    slot start+keep[j] to start+j and leave everything else alone."""
+    from sglang_eagle3.kvcache import KVPool
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 2, 24, 4, generator=g), torch.randn(3, 2, 2, 24, 4, generator=g)
+    for keep in ([0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 3, 5], [0, 4, 5, 6, 7]):
+        want_k, want_v = k0.clone(), v0.clone()
+        for j, s in enumerate(keep):
+            want_k[:, 1, :, 9 + j], want_v[:, 1, :, 9 + j] = k0[:, 1, :, 9 + s], v0[:, 1, :, 9 + s]
+        for rows in ([1], [1, 0]):                       # [1, 0]: the batched path (row 0 keeps its slots)
+            p = KVPool(3, 2, 2, 24, 4, torch.float32, "cpu")
+            p.k.copy_(k0)
+            p.v.copy_(v0)
+            p.lens[:] = torch.tensor([5, 9])
+            ks = torch.tensor([keep] + [list(range(len(keep)))] * (len(rows) - 1))
+            p.commit(torch.tensor(rows), ks, torch.full((len(rows),), len(keep)))
+            assert int(p.lens[1]) == 9 + len(keep)
+            assert torch.equal(p.k, want_k) and torch.equal(p.v, want_v), (keep, rows)
