@@ -15,7 +15,7 @@ import torch
 
 from .config import SpecConfig, SpecProfile
 from .scheduler import Request, RequestError, Scheduler, SchedulerStats
-from .verify import SamplingParams
+from .verify import SamplingParams, TokenLogprob
 
 Prompt = Union[str, list]   # plain text, or chat messages [{"role", "content"}]
 
@@ -28,6 +28,7 @@ class RequestOutput:
     finish_reason: str                         # "eos" | "length" | "stop"
     verify_steps: int                          # target forwards that produced tokens (prefill included)
     accept_lengths: list[int] = field(default_factory=list)   # tokens emitted per forward ([0] = prefill)
+    logprobs: Optional[list[TokenLogprob]] = None             # per token, when SamplingParams.logprobs is set
 
     @property
     def accept_length(self) -> float:
@@ -167,6 +168,6 @@ class SpeculativeEngine:
             raise RuntimeError(f"request failed: {failed[0].error}")
         stats = BatchStats(st.generated_tokens, st.verify_steps, st.times.draft, st.times.verify, st.times.prefill,
                            time.perf_counter() - t0)
-        outputs = [RequestOutput(r.prompt, r.text, r.output_ids, r.finish_reason, r.verify_steps, r.accept_lengths)
-                   for r in reqs]
+        outputs = [RequestOutput(r.prompt, r.text, r.output_ids, r.finish_reason, r.verify_steps, r.accept_lengths,
+                                 r.output_logprobs) for r in reqs]
         return outputs, stats

@@ -19,7 +19,7 @@ import torch
 
 from .config import SpecConfig, SpecProfile
 from .spec_worker import SpecWorker, StepTimes
-from .verify import SamplingParams
+from .verify import SamplingParams, TokenLogprob
 
 
 class RequestError(ValueError):
@@ -65,6 +65,7 @@ class Request:
     # state
     output_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)     # tokens kept per target forward (prefill: 1)
+    output_logprobs: Optional[list[TokenLogprob]] = None        # one per output token when params.logprobs is set
     text: str = ""
     finish_reason: Optional[str] = None                         # eos | length | stop | cancelled | error
     error: Optional[str] = None
@@ -137,6 +138,7 @@ class Scheduler:
             req.generator = torch.Generator(device=self.target.device)
             req.generator.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
         req.detok = IncrementalDetokenizer(self.tokenizer)
+        req.output_logprobs = None if req.params.logprobs is None else []
         with self.cond:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.max_queue})")
@@ -183,8 +185,8 @@ class Scheduler:
                                    self.spec_for(len(active), any(not r.params.greedy for r in active)))
             self.stats.steps += 1
             self.stats.times.add(res.times)
-            for req, tokens in zip(active, res.emitted):
-                self._emit(req, tokens)
+            for i, (req, tokens) in enumerate(zip(active, res.emitted)):
+                self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
         self._release()
 
     def _admit(self) -> None:
@@ -200,16 +202,17 @@ class Scheduler:
             req.row = self.free_rows.pop()
             self.running.append(req)
             try:
-                first, dt = self.worker.prefill(req.row, req.prompt_ids, req.params, req.generator)
+                first, dt, first_logprob = self.worker.prefill(req.row, req.prompt_ids, req.params, req.generator)
             except Exception as e:                # a request must never take the loop down
                 req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
                 continue
             self.stats.times.prefill += dt
             req.first_token_time = time.perf_counter()
-            self._emit(req, [first])
+            self._emit(req, [first], [first_logprob] if first_logprob else None)
 
-    def _emit(self, req: Request, tokens: list[int]) -> None:
-        """Append tokens until EOS / max_new_tokens / a stop string; stream the text delta."""
+    def _emit(self, req: Request, tokens: list[int], logprobs: Optional[list[TokenLogprob]] = None) -> None:
+        """Append tokens (and their log-prob entries) until EOS / max_new_tokens / a stop string; stream the text
+        delta."""
         p = req.params
         kept = []
         for t in tokens:
@@ -222,6 +225,8 @@ class Scheduler:
                 break
         before = len(req.output_ids)
         req.output_ids.extend(kept)
+        if req.output_logprobs is not None and logprobs:
+            req.output_logprobs.extend(logprobs[:len(kept)])
         req.accept_lengths.append(len(kept))
         self.stats.generated_tokens += len(kept)
         self.stats.verify_steps += 1
@@ -246,6 +251,8 @@ class Scheduler:
             if any(s in text for s in stops):
                 dropped = len(req.output_ids) - n
                 del req.output_ids[n:]
+                if req.output_logprobs is not None:
+                    del req.output_logprobs[n:]
                 req.accept_lengths[-1] -= dropped
                 self.stats.generated_tokens -= dropped
                 return

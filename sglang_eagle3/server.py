@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server on our engine (`eagle3 serve --engine builtin`).
 
-Thin by design: request/response models and the HTTP layer live here; one scheduler thread
+Thin by design: the HTTP layer lives here (request models, their checks and the response pieces in
+openai_protocol.py); one scheduler thread
 (scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
 deltas back through an asyncio queue. Endpoints: POST /v1/chat/completions, POST /v1/completions
 (both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /health,
-GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`.
+GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`, and the
+target's log-probs of its tokens when asked (`logprobs`).
 """
 from __future__ import annotations
 
@@ -14,62 +16,19 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from .engine import encode_prompt
+from .openai_protocol import (APIError, ChatRequest, CompletionRequest, chat_logprobs, chat_prompt,
+                              completion_logprobs, finish_reason, reported_logprobs, sampling_params, spec_stats, usage)
 from .scheduler import QueueFull, Request, RequestError, Scheduler
 from .verify import SamplingParams
 
-DEFAULT_MAX_TOKENS = 512          # when a request gives none (OpenAI's chat API: up to the context)
 RETRY_AFTER_S = 1
-
-
-# ---- request models ---------------------------------------------------------------------------
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                               # extension (as SGLang and vLLM accept it)
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[dict] = None
-    ignore_eos: bool = False                     # extension, for benchmarks
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: Optional[Union[str, list[dict]]] = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
-    echo: bool = False
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -152,41 +111,6 @@ class ServerState:
             self.thread = None
 
 
-# ---- request handling ------------------------------------------------------------------------------
-def sampling_params(body: _Sampling, prompt_len: int, context: int) -> SamplingParams:
-    if body.n != 1:
-        raise APIError(400, f"n={body.n}: only n=1 is supported", "n")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context - prompt_len))
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, stop=stop, ignore_eos=body.ignore_eos, seed=body.seed)
-    except ValueError as e:
-        param = next((p for p in ("temperature", "top_p", "top_k", "stop") if p in str(e)), None)
-        raise APIError(400, str(e), param) from None
-
-
-def chat_prompt(body: ChatRequest) -> list[dict]:
-    if not body.messages:
-        raise APIError(400, "messages must be a non-empty list", "messages")
-    msgs = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):                # OpenAI content parts: text only
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(parts)
-        if m.role not in ("system", "user", "assistant", "developer"):
-            raise APIError(400, f"messages[{i}].role={m.role!r}: expected system, user or assistant", "messages")
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    return msgs
-
-
 class Handler:
     """Runs one request against the scheduler; a stream of text deltas, then the finished request."""
 
@@ -206,7 +130,7 @@ class Handler:
         def listener(req: Request, delta: str) -> None:          # called on the scheduler thread
             if delta == "" and req.done.is_set():
                 metrics.finished(req)                             # exactly once, however the request ended
-            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finished))
+            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finished, reported_logprobs(req)))
 
         req = Request(prompt_ids, params, prompt=prompt, listener=listener)
         try:
@@ -229,20 +153,6 @@ class Handler:
         if not ids:
             raise APIError(400, "empty prompt (no tokens after tokenization)", "prompt")
         return ids
-
-
-def spec_stats(req: Request) -> dict:
-    return {"accept_length": round(req.accept_length, 4), "verify_steps": req.verify_steps,
-            "accepted_draft_tokens": len(req.output_ids) - req.verify_steps}
-
-
-def usage(req: Request) -> dict:
-    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-            "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
-
-
-def finish_reason(req: Request) -> str:
-    return {"eos": "stop", "stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason or "stop")
 
 
 def create_app(state: ServerState):
@@ -286,17 +196,18 @@ def create_app(state: ServerState):
         return PlainTextResponse(state.metrics.text(state.scheduler.load()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def run(http: HTTPRequest, body: _Sampling, prompt, chat: bool):
+    async def run(http: HTTPRequest, body, prompt, chat: bool):
         handler.check_model(body.model)
         prompt_ids = handler.tokenize(prompt)
-        params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len)
+        params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len, chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         req = handler.submit(prompt_ids, params, prompt, loop, queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
+        echo = prompt if not chat and body.echo else ""            # completions: the prompt before the answer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(http, req, queue, rid, obj, chat, include_usage),
+            return StreamingResponse(stream(http, req, queue, rid, obj, chat, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             while not req.finished or not req.done.is_set():
@@ -307,23 +218,38 @@ def create_app(state: ServerState):
         if req.finish_reason == "error":
             raise APIError(500, f"generation failed: {req.error}", None, None, "server_error")
         choice = {"index": 0, "finish_reason": finish_reason(req), "logprobs": None}
+        if req.output_logprobs is not None:
+            entries = req.output_logprobs[:reported_logprobs(req)]
+            choice["logprobs"] = (chat_logprobs if chat else completion_logprobs)(state.tokenizer, entries)
         if chat:
             choice["message"] = {"role": "assistant", "content": req.text}
         else:
-            choice["text"] = req.text
+            choice["text"] = echo + req.text
         return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
                 "choices": [choice], "usage": usage(req), "spec_stats": spec_stats(req)}
 
-    async def stream(http, req: Request, queue, rid, obj, chat, include_usage):
+    async def stream(http, req: Request, queue, rid, obj, chat, include_usage, echo=""):
         created = int(time.time())
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text=None, reason=None, role=False, extra=None):
+        sent = {"entries": 0, "chars": 0}                # log-prob entries streamed so far, and their text length
+
+        def logprobs_upto(n: int):
+            if req.output_logprobs is None or n <= sent["entries"]:
+                return None
+            entries = req.output_logprobs[sent["entries"]:n]
+            out = (chat_logprobs(state.tokenizer, entries) if chat else
+                   completion_logprobs(state.tokenizer, entries, sent["chars"]))
+            sent["entries"] = n
+            sent["chars"] += sum(len(state.tokenizer.decode([e.token])) for e in entries)
+            return out
+
+        def chunk(delta_text=None, reason=None, role=False, extra=None, logprobs=None):
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": logprobs}
             body = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name, "choices": [choice]}
             if extra:
                 body.update(extra)
@@ -332,17 +258,20 @@ def create_app(state: ServerState):
         try:
             if chat:
                 yield chunk(role=True)
+            elif echo:
+                yield chunk(echo)
             while True:
-                delta, finished = await queue.get()
+                delta, finished, reported = await queue.get()
                 if delta:
-                    yield chunk(delta)
+                    yield chunk(delta, logprobs=logprobs_upto(reported))
                 if finished and req.done.is_set():
                     break
             if req.finish_reason == "error":
                 err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
                 yield f"data: {json.dumps(err)}\n\n"
             else:
-                yield chunk(reason=finish_reason(req), extra={"spec_stats": spec_stats(req)})
+                yield chunk(reason=finish_reason(req), extra={"spec_stats": spec_stats(req)},
+                            logprobs=logprobs_upto(reported_logprobs(req)))
                 if include_usage:
                     yield (f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': usage(req)})}\n\n")
             yield "data: [DONE]\n\n"

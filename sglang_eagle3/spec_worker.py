@@ -30,8 +30,8 @@ from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
-from .verify import (Acceptance, SamplingParams, accept_greedy_logits, acceptance_from_lists, sample_rows, target_probs,
-                     verify_sampling)
+from .verify import (Acceptance, SamplingParams, TokenLogprob, accept_greedy_logits, acceptance_from_lists, sample_rows,
+                     target_probs, token_logprobs, verify_sampling)
 
 PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
 
@@ -52,6 +52,7 @@ class StepResult:
     rows: list[int]
     emitted: list[list[int]]            # tokens per row, in order (accepted draft tokens, then the bonus token)
     times: StepTimes = field(default_factory=StepTimes)
+    logprobs: list[Optional[list[TokenLogprob]]] = field(default_factory=list)   # per row, rows that asked for them
 
 
 class SpecWorker:
@@ -90,8 +91,8 @@ class SpecWorker:
     # ---- prefill -----------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,
-                generator: Optional[torch.Generator] = None) -> tuple[int, float]:
-        """Run the prompt into `row`; returns (first token, seconds)."""
+                generator: Optional[torch.Generator] = None) -> tuple[int, float, Optional[TokenLogprob]]:
+        """Run the prompt into `row`; returns (first token, seconds, its log-prob entry if params ask for one)."""
         t0 = time.perf_counter()
         dev = self.target.device
         rows = torch.tensor([row], device=dev)
@@ -103,13 +104,15 @@ class SpecWorker:
                           want_aux=self.draft is not None)
         self.tpool.commit_prefix(rows, torch.tensor([T], device=dev))
         root = int(sample_tokens(out.logits[:, 0], [params], [generator])[0])
+        lp = None if params.logprobs is None else \
+            token_logprobs(out.logits[0, :1], torch.tensor([root], device=dev), params.logprobs)[0]
         self.roots[row], self.root_pos[row] = root, T
         if self.draft is not None:
             self.dpool.reset(rows)
             self.pend_count[row] = 0
             d_in = torch.cat([ids[:, 1:], torch.tensor([[root]], device=dev)], 1)   # (feature t, token t+1)
             self._draft_extend(rows, d_in, out.aux_hidden_states, pos, torch.tensor([T], device=dev))
-        return root, time.perf_counter() - t0
+        return root, time.perf_counter() - t0, lp
 
     # ---- one decoding step -------------------------------------------------------------------
     @torch.no_grad()
@@ -142,12 +145,15 @@ class SpecWorker:
             self.tpool.commit(r, path, acc.count)
             last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
             self.roots[r], self.root_pos[r] = last, root_pos + acc.count
+        logprobs = [None if p.logprobs is None else
+                    token_logprobs(tv.logits[b, path[b, :n]], acc.emitted[b, :n], p.logprobs)   # emitted[j]: at path[j]
+                    for b, (p, n) in enumerate(zip(params, counts))]
         t2 = time.perf_counter()
         if self.draft is not None:
             with record_function("eagle3::draft_hold"):
                 self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
         times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
-        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times)
+        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times, logprobs)
 
     def _hold(self, rows: list[int], emitted, aux, tree_positions, path, counts: list[int]) -> None:
         """Queue this step's pairs for the draft: per row b the accepted path[b, :counts[b]] of the verified tree,

@@ -20,6 +20,9 @@ from typing import Optional
 import torch
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -29,6 +32,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: Optional[int] = None
+    logprobs: Optional[int] = None     # report each token's log-prob and this many top alternatives (None = off)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -41,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not isinstance(x, str) or x == "" for x in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +68,26 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]       # the most likely tokens at this position and their log-probs, likeliest first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """The target's log-probabilities of tokens [n] under logits [n, V]: log_softmax of the raw logits (before
+    temperature, top-k and top-p, as vLLM reports them by default), each with its num_top likeliest tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                       # [n, V]
+    chosen = lp.gather(-1, tokens.view(-1, 1)).view(-1).tolist()
+    if num_top:
+        top_lp, top_ids = lp.topk(num_top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens.tolist(), chosen, tops)]
 
 
 def sample_categorical(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:

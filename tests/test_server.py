@@ -156,6 +156,21 @@ def test_models_health_metrics(live):
      "temperature"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n", "n=1"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stop": [""]}, 400, "stop", "non-empty"),
+    # parameters the server would otherwise ignore are refused, naming them
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "frequency_penalty": 0.5}, 400,
+     "frequency_penalty", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "presence_penalty": -1}, 400,
+     "presence_penalty", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "logit_bias": {"5": 100}}, 400,
+     "logit_bias", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}},
+     400, "response_format", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools", "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "requires logprobs=true"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "[0, 20]"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body, status, param, phrase):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -167,6 +182,52 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body,
         assert param in (err["param"] or "")
     ok = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("w1"), "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_no_op_values_of_unsupported_parameters_are_accepted(live):
+    body = {"model": "tiny", "messages": chat("w1"), "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
+            "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "best_of": 1, "user": "u1"}
+    assert httpx.post(live.url + "/v1/chat/completions", json=body).status_code == 200
+    for bad, param in [({"logprobs": True}, "logprobs"), ({"logprobs": 2, "echo": True}, "echo"),
+                       ({"logprobs": 30}, "logprobs"), ({"suffix": "w3"}, "suffix")]:
+        r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_logprobs_chat_and_completions_streamed_or_not(live, folders):
+    """The target's log-probs of each token (vanilla offline = speculative server), the same streamed in pieces."""
+    c = client(live)
+    target, _ = folders
+    outs, _ = load_engine(target, "none", SPEC, "float32").generate(
+        [chat(PROMPTS[2])], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3))
+    want = outs[0].logprobs
+    kw = dict(model="tiny", messages=chat(PROMPTS[2]), max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    for e, w in zip(content, want):
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx([lp for _, lp in w.top], abs=1e-4)
+        assert e.top_logprobs[0].token == e.token and e.bytes == list(e.token.encode())
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # completions: the legacy shape, offsets into the text, streamed too; echo puts the prompt first
+    ckw = dict(model="tiny", prompt="w1 w2 w3", max_tokens=6, temperature=0, logprobs=2)
+    lp = c.completions.create(**ckw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(t) <= 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    parts = [ch.choices[0].logprobs for ch in c.completions.create(**ckw, stream=True) if ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+    plain = c.completions.create(model="tiny", prompt="w1 w2", max_tokens=3, temperature=0).choices[0].text
+    echoed = c.completions.create(model="tiny", prompt="w1 w2", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == "w1 w2" + plain
+    assert "".join(ch.choices[0].text for ch in c.completions.create(model="tiny", prompt="w1 w2", max_tokens=3,
+                                                                     temperature=0, echo=True, stream=True)) == \
+        "w1 w2" + plain
 
 
 def test_full_queue_answers_503_with_retry_after(folders):
