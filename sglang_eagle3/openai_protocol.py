@@ -8,6 +8,7 @@ but the EOS token that ended it, each with up to 20 alternatives.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Optional, Union
 
@@ -17,6 +18,7 @@ from .scheduler import Request
 from .verify import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 512          # when a request gives none (OpenAI's chat API: up to the context)
+MAX_CHOICES = 16                  # n: choices per request, each decoded as a request of its own
 
 
 # ---- request models ---------------------------------------------------------------------------
@@ -118,8 +120,8 @@ def requested_top_logprobs(body: _Sampling, chat: bool) -> Optional[int]:
 
 
 def sampling_params(body: _Sampling, prompt_len: int, context: int, chat: bool = True) -> SamplingParams:
-    if body.n != 1:
-        raise APIError(400, f"n={body.n}: only n=1 is supported", "n")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", "n")
     check_supported(body)
     top_logprobs = requested_top_logprobs(body, chat)
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -135,6 +137,13 @@ def sampling_params(body: _Sampling, prompt_len: int, context: int, chat: bool =
     except ValueError as e:
         param = next((p for p in ("temperature", "top_p", "top_k", "stop") if p in str(e)), None)
         raise APIError(400, str(e), param) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: choice 0 as asked, choice i > 0 with its own seed derived from the request's
+    (unseeded choices draw their own), so that n sampled choices differ and a seeded request repeats."""
+    return [params if i == 0 or params.seed is None else replace(params, seed=params.seed * 1_000_003 + i)
+            for i in range(n)]
 
 
 def chat_prompt(body: ChatRequest) -> list[dict]:
@@ -155,14 +164,17 @@ def chat_prompt(body: ChatRequest) -> list[dict]:
 
 
 # ---- response pieces ----------------------------------------------------------------------------
-def spec_stats(req: Request) -> dict:
-    return {"accept_length": round(req.accept_length, 4), "verify_steps": req.verify_steps,
-            "accepted_draft_tokens": len(req.output_ids) - req.verify_steps}
+def spec_stats(reqs: list[Request]) -> dict:
+    """Over the choices of one response: tokens per target forward, forwards, tokens that were draft tokens."""
+    tokens, steps = sum(len(r.output_ids) for r in reqs), sum(r.verify_steps for r in reqs)
+    return {"accept_length": round(tokens / max(1, steps), 4), "verify_steps": steps,
+            "accepted_draft_tokens": tokens - steps}
 
 
-def usage(req: Request) -> dict:
-    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-            "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
+def usage(reqs: list[Request]) -> dict:
+    """The prompt once, the completion tokens of every choice."""
+    prompt, completion = len(reqs[0].prompt_ids), sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def finish_reason(req: Request) -> str:

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import encode_prompt
-from .openai_protocol import (APIError, ChatRequest, CompletionRequest, chat_logprobs, chat_prompt,
+from .openai_protocol import (APIError, ChatRequest, CompletionRequest, chat_logprobs, chat_prompt, choice_params,
                               completion_logprobs, finish_reason, reported_logprobs, sampling_params, spec_stats, usage)
 from .scheduler import QueueFull, Request, RequestError, Scheduler
 from .verify import SamplingParams
@@ -112,7 +112,8 @@ class ServerState:
 
 
 class Handler:
-    """Runs one request against the scheduler; a stream of text deltas, then the finished request."""
+    """Runs a response's requests (one per choice) against the scheduler: their text deltas arrive on one queue,
+    tagged with the choice index, then the finished requests."""
 
     def __init__(self, state: ServerState):
         self.state = state
@@ -122,28 +123,33 @@ class Handler:
             raise APIError(400, f"model {name!r} is not served here (this server serves {self.state.model_name!r})",
                            "model", "model_not_found")
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: Any, loop, queue) -> Request:
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], prompt: Any, loop, queue) -> list[Request]:
+        """One request per choice; all or none: a choice that cannot be queued cancels those already queued."""
         sched = self.state.scheduler
-
         metrics = self.state.metrics
 
-        def listener(req: Request, delta: str) -> None:          # called on the scheduler thread
-            if delta == "" and req.done.is_set():
-                metrics.finished(req)                             # exactly once, however the request ended
-            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finished, reported_logprobs(req)))
+        def listener_of(index: int):
+            def listener(req: Request, delta: str) -> None:          # called on the scheduler thread
+                if delta == "" and req.done.is_set():
+                    metrics.finished(req)                             # exactly once, however the request ended
+                loop.call_soon_threadsafe(queue.put_nowait, (index, delta, req.finished, reported_logprobs(req)))
+            return listener
 
-        req = Request(prompt_ids, params, prompt=prompt, listener=listener)
+        reqs = []
         try:
-            sched.check_fits(len(prompt_ids), params.max_new_tokens)
-            sched.submit(req)
+            sched.check_fits(len(prompt_ids), params[0].max_new_tokens)
+            for i, p in enumerate(params):
+                reqs.append(sched.submit(Request(prompt_ids, p, prompt=prompt, listener=listener_of(i))))
         except RequestError as e:
             raise APIError(400, str(e), "messages" if isinstance(prompt, list) else "prompt",
                            "context_length_exceeded") from None
         except QueueFull as e:
+            for req in reqs:
+                sched.cancel(req)
             self.state.metrics.rejected()
             raise APIError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
-        return req
+        return reqs
 
     def tokenize(self, prompt) -> list[int]:
         try:
@@ -201,83 +207,93 @@ def create_app(state: ServerState):
         prompt_ids = handler.tokenize(prompt)
         params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len, chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        req = handler.submit(prompt_ids, params, prompt, loop, queue)
+        reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
         echo = prompt if not chat and body.echo else ""            # completions: the prompt before the answer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(http, req, queue, rid, obj, chat, include_usage, echo),
+            return StreamingResponse(stream(reqs, queue, rid, chat, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            while not req.finished or not req.done.is_set():
+            while not all(r.done.is_set() for r in reqs):
                 await queue.get()
         except asyncio.CancelledError:                   # the client went away
-            state.scheduler.cancel(req)
+            for r in reqs:
+                state.scheduler.cancel(r)
             raise
-        if req.finish_reason == "error":
-            raise APIError(500, f"generation failed: {req.error}", None, None, "server_error")
-        choice = {"index": 0, "finish_reason": finish_reason(req), "logprobs": None}
-        if req.output_logprobs is not None:
-            entries = req.output_logprobs[:reported_logprobs(req)]
-            choice["logprobs"] = (chat_logprobs if chat else completion_logprobs)(state.tokenizer, entries)
-        if chat:
-            choice["message"] = {"role": "assistant", "content": req.text}
-        else:
-            choice["text"] = echo + req.text
+        failed = next((r for r in reqs if r.finish_reason == "error"), None)
+        if failed:
+            raise APIError(500, f"generation failed: {failed.error}", None, None, "server_error")
+        choices = []
+        for i, req in enumerate(reqs):
+            choice = {"index": i, "finish_reason": finish_reason(req), "logprobs": None}
+            if req.output_logprobs is not None:
+                entries = req.output_logprobs[:reported_logprobs(req)]
+                choice["logprobs"] = (chat_logprobs if chat else completion_logprobs)(state.tokenizer, entries)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": req.text}
+            else:
+                choice["text"] = echo + req.text
+            choices.append(choice)
         return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
-                "choices": [choice], "usage": usage(req), "spec_stats": spec_stats(req)}
+                "choices": choices, "usage": usage(reqs), "spec_stats": spec_stats(reqs)}
 
-    async def stream(http, req: Request, queue, rid, obj, chat, include_usage, echo=""):
+    async def stream(reqs: list[Request], queue, rid, chat, include_usage, echo=""):
         created = int(time.time())
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = [{"entries": 0, "chars": 0} for _ in reqs]   # per choice: log-prob entries streamed, their text length
 
-        sent = {"entries": 0, "chars": 0}                # log-prob entries streamed so far, and their text length
-
-        def logprobs_upto(n: int):
-            if req.output_logprobs is None or n <= sent["entries"]:
+        def logprobs_upto(i: int, n: int):
+            req, done = reqs[i], sent[i]
+            if req.output_logprobs is None or n <= done["entries"]:
                 return None
-            entries = req.output_logprobs[sent["entries"]:n]
+            entries = req.output_logprobs[done["entries"]:n]
             out = (chat_logprobs(state.tokenizer, entries) if chat else
-                   completion_logprobs(state.tokenizer, entries, sent["chars"]))
-            sent["entries"] = n
-            sent["chars"] += sum(len(state.tokenizer.decode([e.token])) for e in entries)
+                   completion_logprobs(state.tokenizer, entries, done["chars"]))
+            done["entries"] = n
+            done["chars"] += sum(len(state.tokenizer.decode([e.token])) for e in entries)
             return out
 
-        def chunk(delta_text=None, reason=None, role=False, extra=None, logprobs=None):
+        def chunk(i, delta_text=None, reason=None, role=False, extra=None, logprobs=None):
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": logprobs}
+                choice = {"index": i, "text": delta_text or "", "finish_reason": reason, "logprobs": logprobs}
             body = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name, "choices": [choice]}
             if extra:
                 body.update(extra)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
-            if chat:
-                yield chunk(role=True)
-            elif echo:
-                yield chunk(echo)
-            while True:
-                delta, finished, reported = await queue.get()
+            for i in range(len(reqs)):
+                if chat or echo:
+                    yield chunk(i, role=True) if chat else chunk(i, echo)
+            open_choices = set(range(len(reqs)))
+            while open_choices:
+                i, delta, finished, reported = await queue.get()
+                req = reqs[i]
                 if delta:
-                    yield chunk(delta, logprobs=logprobs_upto(reported))
-                if finished and req.done.is_set():
+                    yield chunk(i, delta, logprobs=logprobs_upto(i, reported))
+                if not (finished and req.done.is_set() and i in open_choices):
+                    continue
+                open_choices.discard(i)
+                if req.finish_reason == "error":
+                    err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
+                    yield f"data: {json.dumps(err)}\n\n"
                     break
-            if req.finish_reason == "error":
-                err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
-                yield f"data: {json.dumps(err)}\n\n"
+                last = not open_choices                  # spec_stats over every choice, on the last one to finish
+                yield chunk(i, reason=finish_reason(req), extra={"spec_stats": spec_stats(reqs)} if last else None,
+                            logprobs=logprobs_upto(i, reported_logprobs(req)))
             else:
-                yield chunk(reason=finish_reason(req), extra={"spec_stats": spec_stats(req)},
-                            logprobs=logprobs_upto(reported_logprobs(req)))
                 if include_usage:
-                    yield (f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': usage(req)})}\n\n")
+                    yield (f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': usage(reqs)})}\n\n")
             yield "data: [DONE]\n\n"
         finally:
-            if not req.done.is_set():                    # client disconnected mid-stream: free its row
-                state.scheduler.cancel(req)
+            for req in reqs:
+                if not req.done.is_set():                # client disconnected mid-stream (or a choice failed)
+                    state.scheduler.cancel(req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatRequest):

@@ -154,7 +154,7 @@ def test_models_health_metrics(live):
     ({"model": "tiny", "messages": []}, 400, "messages", "non-empty"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "temperature": "hot"}, 400, "temperature",
      "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n", "n=1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "n": 17}, 400, "n", "[1, 16]"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stop": [""]}, 400, "stop", "non-empty"),
     # parameters the server would otherwise ignore are refused, naming them
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "frequency_penalty": 0.5}, 400,
@@ -230,6 +230,27 @@ def test_logprobs_chat_and_completions_streamed_or_not(live, folders):
         "w1 w2" + plain
 
 
+def test_n_choices_streamed_or_not(live):
+    c = client(live)
+    kw = dict(model="tiny", messages=chat(PROMPTS[3]), max_tokens=10, extra_body={"ignore_eos": True})
+    one = c.chat.completions.create(**kw, temperature=0).choices[0].message.content
+    r = c.chat.completions.create(**kw, temperature=0, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and all(ch.message.content == one for ch in r.choices)
+    assert r.usage.completion_tokens == 30 and r.model_extra["spec_stats"]["verify_steps"] >= 3
+    r = c.chat.completions.create(**kw, temperature=1.0, n=4, seed=11)
+    texts = [ch.message.content for ch in r.choices]
+    assert len(texts) == 4 and len(set(texts)) > 1                        # each choice samples on its own
+    chunks = list(c.chat.completions.create(**kw, temperature=0, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i in (0, 1):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(x.delta.content or "" for x in mine) == one
+    assert chunks[-1].usage.completion_tokens == 20
+    comp = c.completions.create(model="tiny", prompt="w1 w2", max_tokens=4, temperature=0, n=2, echo=True)
+    assert comp.choices[0].text == comp.choices[1].text and comp.choices[1].text.startswith("w1 w2")
+
+
 def test_full_queue_answers_503_with_retry_after(folders):
     target, draft = folders
     srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=1, max_queue=1, context_len=256,
@@ -244,6 +265,26 @@ def test_full_queue_answers_503_with_retry_after(folders):
         assert busy and all(r.status_code in (200, 503) for r in codes)
         assert busy[0].headers["Retry-After"] == "1" and busy[0].json()["error"]["code"] == "server_busy"
         assert httpx.get(srv.url + "/metrics").text.count('eagle3_requests_total{status="rejected"} ' + str(len(busy)))
+    finally:
+        srv.close()
+
+
+def test_n_choices_are_queued_all_or_none(folders):
+    """A response whose choices do not all fit the queue is refused whole (503) and the queued ones cancelled."""
+    target, draft = folders
+    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=1, max_queue=1, context_len=256,
+                                 model_name="tiny"))
+    try:
+        body = {"model": "tiny", "messages": chat("w1 w2"), "max_tokens": 100, "ignore_eos": True, "n": 4}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+        h = wait_idle(srv)
+        assert h["free_rows"] == 1
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert int(metrics.split('eagle3_requests_total{status="cancelled"} ')[1].split()[0]) >= 1
+        assert 'eagle3_requests_total{status="finished"} 0' in metrics
+        ok = httpx.post(srv.url + "/v1/chat/completions", json={**body, "n": 1, "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     finally:
         srv.close()
 
