@@ -30,8 +30,9 @@ from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
-from .verify import (Acceptance, SamplingParams, TokenLogprob, accept_greedy_logits, acceptance_from_lists, sample_rows,
-                     target_probs, token_logprobs, verify_sampling)
+from .verify import (Acceptance, SamplingParams, TokenLogprob, accept_greedy_logits, accept_sampling_ext,
+                     acceptance_from_lists, sample_rows, sample_token_ext, sampling_in_extension, target_probs,
+                     token_logprobs, verify_sampling)
 
 PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
 
@@ -227,6 +228,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
     for rows in groups.values():
+        if sampling_in_extension(logits, params[rows[0]]):         # one exp pass per row, no probability tensor
+            for b in rows:
+                out[b] = sample_token_ext(logits[b], params[b], generators[b])
+            continue
         idx = torch.tensor(rows, device=logits.device)
         out[idx] = sample_rows(target_probs(logits[idx], params[rows[0]]), [generators[b] for b in rows])
     return out
@@ -235,17 +240,25 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
 def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
            generators: list[Optional[torch.Generator]]) -> Acceptance:
     """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
-    greedy = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
     if all(p.greedy for p in params):
-        return greedy
+        return accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
     if tree.num_nodes == 1:                       # no draft: every row emits one token, sampled rows together
+        greedy = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
         greedy.emitted[:, 0] = sample_tokens(logits[:, 0], params, generators)
         return greedy
-    paths = [p[:n] for p, n in zip(greedy.path.tolist(), greedy.count.tolist())]
-    emitted = [e[:n] for e, n in zip(greedy.emitted.tolist(), greedy.count.tolist())]
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths, emitted = [], []
+    greedy = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits) if any(p.greedy for p in params) else None
     for b, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            nodes, bonus = verify_sampling(tokens[b], parents[b], target_probs(logits[b], p), g)
-            paths[b], emitted[b] = nodes, [tokens[b][i] for i in nodes[1:]] + [bonus]
+        if p.greedy:
+            n = int(greedy.count[b])
+            paths.append(greedy.path[b, :n].tolist())
+            emitted.append(greedy.emitted[b, :n].tolist())
+            continue
+        if sampling_in_extension(logits, p):      # one exp pass per visited node, no probability tensor
+            nodes, bonus = accept_sampling_ext(tree.tokens[b], tree.parents[b], logits[b], p, g)
+        else:
+            tokens = tree.tokens[b].tolist()
+            nodes, bonus = verify_sampling(tokens, tree.parents[b].tolist(), target_probs(logits[b], p), g)
+        paths.append(nodes)
+        emitted.append([int(tree.tokens[b, i]) for i in nodes[1:]] + [bonus])
     return acceptance_from_lists(paths, emitted, logits.device)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import random_draft, tiny_target
-from sglang_eagle3 import spec_worker as engine_mod
+from sglang_eagle3 import kernels as K, spec_worker as engine_mod
 from sglang_eagle3.config import SpecConfig
 from sglang_eagle3.engine import SpeculativeEngine
 from sglang_eagle3.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
@@ -54,9 +54,23 @@ def tv(counts, p):
     return 0.5 * (emp - p).abs().sum().item()
 
 
-@pytest.mark.parametrize("verify,ok", [(verify_sampling, True), (biased_verify_sampling, False)])
+def ext_verify_sampling(tokens, parents, probs, generator=None):
+    """csrc's accept_sampling on logits whose softmax is probs (log 0 = -inf)."""
+    from sglang_eagle3.verify import accept_sampling_ext
+    return accept_sampling_ext(torch.tensor(tokens), torch.tensor(parents), probs.log(), SamplingParams(temperature=1.0),
+                               generator)
+
+
+def needs_ext(verify):
+    if verify is ext_verify_sampling and K.extension() is None:
+        pytest.skip("the C++ extension is not built here")
+
+
+@pytest.mark.parametrize("verify,ok", [(verify_sampling, True), (ext_verify_sampling, True),
+                                       (biased_verify_sampling, False)])
 def test_sampling_walk_preserves_distribution(verify, ok):
     """First emitted token over 20k trials vs p at the root (TV tolerance 0.02; sampling noise is ~0.007)."""
+    needs_ext(verify)
     g = torch.Generator().manual_seed(0)
     V = 6
     p_root = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
@@ -67,6 +81,28 @@ def test_sampling_walk_preserves_distribution(verify, ok):
         acc, bonus = verify(tokens, parents, probs, g)
         counts[tokens[acc[1]] if len(acc) > 1 else bonus] += 1
     assert (tv(counts, p_root) < 0.02) == ok
+
+
+@pytest.mark.parametrize("verify", [verify_sampling, ext_verify_sampling])
+def test_sampling_walk_continues_with_the_accepted_childs_distribution(verify):
+    """Two levels: given that the root's child c was accepted, the next token follows p at c (drafted grandchildren
+    or the bonus), and the first token follows p at the root (chi-square p > 1e-4 over 20k trials, which a walk
+    that forgot the rejected children fails)."""
+    needs_ext(verify)
+    g = torch.Generator().manual_seed(1)
+    V = 8
+    probs = torch.stack([torch.softmax(torch.randn(V, generator=g) * 1.5, -1) for _ in range(6)])
+    tokens, parents = [0, 2, 5, 1, 3, 6], [-1, 0, 0, 1, 1, 2]     # root -> (2, 5); node 1 -> (1, 3); node 2 -> (6)
+    first, second = torch.zeros(V), {1: torch.zeros(V), 2: torch.zeros(V)}
+    for _ in range(20000):
+        acc, bonus = verify(tokens, parents, probs, g)
+        emitted = [tokens[i] for i in acc[1:]] + [bonus]
+        first[emitted[0]] += 1
+        if len(acc) > 1:
+            second[acc[1]][emitted[1]] += 1
+    assert chi2_pvalue(first, probs[0]) > 1e-4
+    for node, counts in second.items():
+        assert counts.sum() > 1000 and chi2_pvalue(counts, probs[node]) > 1e-4, node
 
 
 def exact_marginals(hf, prompt, steps, params):
@@ -97,12 +133,13 @@ def chi2_pvalue(counts, p):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("biased", [False, True])
-def test_engine_sampling_matches_target_distribution(biased, monkeypatch):
+@pytest.mark.parametrize("biased,top_p", [(False, 0.95), (False, 1.0), (True, 0.95)])
+def test_engine_sampling_matches_target_distribution(biased, top_p, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
-    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6)."""
+    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). top_p 1.0: plain temperature
+    sampling, which csrc's accept_sampling walks where the extension is built."""
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
-    params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.95, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, ignore_eos=True)
     prompt = [3, 7, 1, 12]
     exact = exact_marginals(hf, prompt, 3, params)
     if biased:

@@ -1132,4 +1132,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_logprobs", &topk_logprobs, "the k largest log-probabilities of each row and their indices");
   m.def("build_tree", &build_tree, "draft tree selection and layout (tree.build_draft_tree)");
   m.def("accept_greedy", &accept_greedy, "greedy acceptance of a tree from the target's logits");
+  m.def("accept_sampling", &accept_sampling, "tree speculative sampling of one row from the target's logits");
 }

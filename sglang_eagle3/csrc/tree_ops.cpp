@@ -65,6 +65,52 @@ void topk_logprobs_impl(const E* x, int64_t R, int64_t V, int64_t k, float* vals
   }
 }
 
+
+// out[j] = exp((z[j] - mx) * inv_t) for z[0:V] (exactly 0 where z is -inf); returns their sum
+template <typename E>
+double exp_row(const E* z, int64_t V, float mx, float inv_t, float* out) {
+  double sum = 0.0;
+  int64_t j = 0;
+#ifdef E3_AVX512
+  const __m512 vm = _mm512_set1_ps(mx), vt = _mm512_set1_ps(inv_t);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + 16 <= V; j += 16) {
+    const __m512 x = load16(z + j);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
+                                         exp16(_mm512_mul_ps(_mm512_sub_ps(x, vm), vt)));
+    _mm512_storeu_ps(out + j, e);
+    sum += _mm512_reduce_add_ps(e);
+  }
+#elif defined(E3_AVX2)
+  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_t);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + 8 <= V; j += 8) {
+    const __m256 x = load8(z + j);
+    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp8(_mm256_mul_ps(_mm256_sub_ps(x, vm), vt)));
+    _mm256_storeu_ps(out + j, e);
+    sum += hsum8(e);
+  }
+#endif
+  for (; j < V; ++j) {
+    const float x = to_f(z[j]);
+    out[j] = x == -std::numeric_limits<float>::infinity() ? 0.f : std::exp((x - mx) * inv_t);
+    sum += out[j];
+  }
+  return sum;
+}
+
+// sum of x[0:n], n <= 16 (one vector on AVX-512)
+inline double block_sum(const float* x, int64_t n) {
+#ifdef E3_AVX512
+  const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xffff : (1u << n) - 1);
+  return _mm512_reduce_add_ps(_mm512_maskz_loadu_ps(m, x));
+#else
+  double s = 0.0;
+  for (int64_t j = 0; j < n; ++j) s += x[j];
+  return s;
+#endif
+}
+
 }  // namespace
 
 // logits [..., V] (float32 / bfloat16) -> (the k largest of log_softmax(logits.float()) [..., k] fp32, their indices
@@ -178,4 +224,88 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor
     }
   });
   return {path, count, emitted};
+}
+
+// Tree speculative sampling of one row (verify.verify_sampling with p = softmax(logits / temperature) at each node)
+// without a probability tensor: one exp pass over the vocabulary per visited node. At a node, its children (in index
+// order) are tried in turn: child c is accepted with probability r(c) / sum(r), r starting as p, a rejected child's
+// mass removed from r; when none is accepted the bonus token is drawn from r by its inverse CDF. tokens, parents
+// [N] int64 (parents precede children, siblings distinct); logits [N, V] float32 / bfloat16; uniforms [N] float64
+// in [0, 1): one per child tried, then one for the bonus (at most N are used). Returns (accepted nodes [count],
+// starting with the root; the bonus token [1]).
+std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
+                                        double temperature, const at::Tensor& uniforms) {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.sizes() == parents.sizes() && tokens.scalar_type() == at::kLong &&
+              parents.scalar_type() == at::kLong, "accept_sampling: tokens, parents must be int64 [N]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0) && logits.device().is_cpu(),
+              "accept_sampling: logits must be a CPU [N, V]");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) >= tokens.size(0) && uniforms.scalar_type() == at::kDouble,
+              "accept_sampling: uniforms must be float64 [>= N]");
+  TORCH_CHECK(temperature > 0, "accept_sampling: temperature must be > 0");
+  const int64_t N = tokens.size(0), V = logits.size(1);
+  at::Tensor tk = tokens.contiguous(), pa = parents.contiguous(), z = logits.contiguous(), uu = uniforms.contiguous();
+  const int64_t *t = tk.data_ptr<int64_t>(), *p = pa.data_ptr<int64_t>();
+  const double* u = uu.data_ptr<double>();
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  std::vector<float> r(V);
+  std::vector<double> block;
+  std::vector<int64_t> nodes{0};
+  int64_t bonus = -1;
+  E3_DISPATCH(z.scalar_type(), "accept_sampling", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    int64_t node = 0, k = 0;
+    while (bonus < 0) {
+      const scalar_t* row = zp + node * V;
+      const float mx = row_max(row, V);
+      double left = exp_row(row, V, mx, inv_t, r.data());       // the residual's total (unnormalised)
+      int64_t next = -1;
+      for (int64_t c = node + 1; c < N && next < 0; ++c) {
+        if (p[c] != node) continue;
+        const double rc = r[t[c]];
+        if (u[k++] * left < rc) {
+          next = c;
+        } else {
+          left -= rc;
+          r[t[c]] = 0.f;
+        }
+      }
+      if (next >= 0) {
+        nodes.push_back(next);
+        node = next;
+        continue;
+      }
+      // the bonus by inverse CDF over blocks of 16: block sums first (their total is the residual's), then the
+      // block holding u * total, element by element
+      const int64_t nb = (V + 15) / 16;
+      block.assign(nb, 0.0);
+      double total = 0.0;
+      for (int pass = 0; pass < 2 && !(total > 0); ++pass) {
+        if (pass == 1) exp_row(row, V, mx, inv_t, r.data());      // all of p drafted and rejected: p itself
+        total = 0.0;
+        for (int64_t i = 0; i < nb; ++i) {
+          block[i] = block_sum(r.data() + i * 16, std::min<int64_t>(16, V - i * 16));
+          total += block[i];
+        }
+      }
+      TORCH_CHECK(total > 0, "accept_sampling: node ", node, " has no probability mass (logits all -inf)");
+      const double target = u[k++] * total;
+      double acc = 0.0;
+      int64_t b = 0, with_mass = 0;
+      for (; b < nb; ++b) {                     // the first block whose end passes the target
+        if (block[b] > 0) with_mass = b;
+        if (block[b] > 0 && acc + block[b] > target) break;
+        acc += block[b];
+      }
+      if (b == nb)                              // u * total rounded up to the total: the last token with mass
+        b = with_mass, acc = -std::numeric_limits<double>::infinity();
+      const int64_t j0 = b * 16, j1 = std::min<int64_t>(V, j0 + 16);
+      for (int64_t j = j0; j < j1; ++j) {       // inside the block element by element (rounding: its last token
+        if (r[j] <= 0.f) continue;              // with mass)
+        if (acc > target) break;
+        acc += r[j];
+        bonus = j;
+      }
+    }
+  });
+  return {torch::tensor(nodes, tokens.options()), torch::tensor({bonus}, tokens.options())};
 }
