@@ -30,7 +30,7 @@ from .config import SpecConfig
 from .kvcache import KVPool, prefill_attention, tree_new_mask
 from .target import PREFILL_T
 from .tree import DraftTree, grow_tree, pool_attend, root_only_tree
-from .verify import (Acceptance, SamplingParams, TokenLogprob, accept_greedy_logits, accept_sampling_ext,
+from .verify import (Acceptance, NodeProbs, SamplingParams, TokenLogprob, accept_greedy_logits, accept_sampling_ext,
                      acceptance_from_lists, sample_rows, sample_token_ext, sampling_in_extension, target_probs,
                      token_logprobs, verify_sampling)
 
@@ -258,7 +258,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
             nodes, bonus = accept_sampling_ext(tree.tokens[b], tree.parents[b], logits[b], p, g)
         else:
             tokens = tree.tokens[b].tolist()
-            nodes, bonus = verify_sampling(tokens, tree.parents[b].tolist(), target_probs(logits[b], p), g)
+            nodes, bonus = verify_sampling(tokens, tree.parents[b].tolist(), NodeProbs(logits[b], p), g)
         paths.append(nodes)
         emitted.append([int(tree.tokens[b, i]) for i in nodes[1:]] + [bonus])
     return acceptance_from_lists(paths, emitted, logits.device)

@@ -35,6 +35,23 @@ def test_target_probs_top_k_top_p():
     assert p[0, 0].item() == pytest.approx((full[0, 0] / full[0, :3].sum()).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("scale,top_p", [(8.0, 0.95), (3.0, 0.95),     # nucleus within the first 256 tokens,
+                                         (1.2, 0.5), (1.5, 0.5),       # within the first 2,048,
+                                         (2.0, 0.95), (0.3, 0.5)])     # neither: the full sort
+def test_top_p_from_a_partial_top_k_equals_the_full_sort(scale, top_p):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 20000, generator=g) * scale          # fp32, no ties
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    probs = torch.softmax(logits / 0.7, -1)
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    want = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0))
+    want = want / want.sum(-1, keepdim=True)
+    got = target_probs(logits, params)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def biased_verify_sampling(tokens, parents, probs, generator=None):
     """A common bug: rejected children are not removed from the residual before the bonus draw."""
     kids = [[i for i, p in enumerate(parents) if p == n] for n in range(len(parents))]
