@@ -175,6 +175,10 @@ def test_acceptance_sampling(env, tmp_path, capsys):
     s = res["sets"]["mt_bench"]
     assert res["config"]["seed"] == 3 and "identical_to_vanilla" not in s and s["tau"] >= 1
     assert "Greedy outputs identical" not in (tmp_path / "t1.md").read_text()
+    nucleus = tmp_path / "t1p.json"
+    assert acceptance(env, nucleus, "--datasets", "mt_bench", "--temperature", "1", "--top-p", "0.9") == 0
+    assert json.loads(nucleus.read_text())["config"]["top_p"] == 0.9
+    assert "Temperature=1, top_p=0.9;" in (tmp_path / "t1p.md").read_text()
 
 
 def test_acceptance_bad_inputs(env, tmp_path, capsys):
@@ -185,6 +189,8 @@ def test_acceptance_bad_inputs(env, tmp_path, capsys):
     assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--topk", "4", "--num-steps", "1",
                       "--num-draft-tokens", "9") == 2
     assert "--num-draft-tokens=9 exceeds" in capsys.readouterr().err
+    assert acceptance(env, tmp_path / "x.json", "--datasets", "gsm8k", "--top-p", "0") == 2
+    assert "--top-p must be in (0, 1], got 0.0" in capsys.readouterr().err
 
 
 # ---- tune_spec: our engine -----------------------------------------------------------------------

@@ -191,7 +191,8 @@ def table_rows(result: dict) -> list[list]:
 def caption(result: dict) -> str:
     c = result["config"]
     sp = c["spec"]
-    return (f"Temperature={c['temperature']:g}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
+    top_p = f", top_p={c['top_p']:g}" if c.get("top_p", 1) < 1 else ""
+    return (f"Temperature={c['temperature']:g}{top_p}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
             f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}; "
             f"max_new_tokens={c['max_new_tokens']}; speed-up = median over prompts of speculative/vanilla tokens/s "
             f"(same engine, alternated runs); τ = {TAU_DEFINITION}; in draft vocab = share of the vanilla run's tokens "
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
@@ -291,7 +293,8 @@ def _config(a, target: str, draft: str) -> dict:
     """The settings a stored set must share to be reused (the list of sets may grow)."""
     baseline = {"baseline_draft": os.path.abspath(a.baseline_draft)} if a.baseline_draft else {}
     return {"target": target, "draft": draft, **baseline, "dtype": a.dtype, "temperature": a.temperature,
-            "seed": a.seed if a.temperature > 0 else None, "n": a.n, "max_new_tokens": a.max_new_tokens,
+            "seed": a.seed if a.temperature > 0 else None, **({"top_p": a.top_p} if a.top_p < 1 else {}),
+            "n": a.n, "max_new_tokens": a.max_new_tokens,
             "ignore_eos": a.ignore_eos, "compile": a.compile,
             "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens}}
 
@@ -334,9 +337,10 @@ def run(argv=None) -> int:
     sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data)
     prompts = {k: load_prompts(path, limit=a.n) for k, path in sets.items()}
     try:
-        base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos)
+        base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                              ignore_eos=a.ignore_eos)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
     spec, _, source = resolve_spec(a, draft, 1)         # records the tree that ran in a (topk=1 clamps ndt)
     print(f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens} (from {source})",
           file=sys.stderr)
