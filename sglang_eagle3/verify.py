@@ -230,21 +230,22 @@ def verify_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
 
 
 def sampling_in_extension(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Whether accept_sampling_ext serves this row: plain temperature sampling (no top-k, no top-p) on the CPU
-    with the extension built."""
+    """Whether accept_sampling_ext serves this row: on the CPU with the extension built."""
     from . import kernels as K
-    return (params.top_k == 0 and params.top_p >= 1.0 and logits.device.type == "cpu"
-            and logits.dtype in (torch.float32, torch.bfloat16) and K.extension() is not None)
+    return (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+            and K.extension() is not None)
 
 
 def accept_sampling_ext(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
                         generator: Optional[torch.Generator] = None) -> tuple[list[int], int]:
     """verify_sampling of one row straight from the target's logits [N, V] (csrc's accept_sampling: the same walk,
-    p = softmax(logits / temperature), one exp pass per visited node instead of a softmax over every node and a
-    cumulative sum per bonus draw). Draws N uniforms from the generator up front."""
+    p = target_probs(logits), one exp pass per visited node and top-k / top-p cuts from a histogram of the values,
+    instead of a softmax over every node, a sort for top-p and a cumulative sum per bonus draw). Draws N uniforms
+    from the generator up front."""
     from . import kernels as K
     u = torch.rand(tokens.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
-    nodes, bonus = K.extension().accept_sampling(tokens, parents, logits, float(params.temperature), u)
+    nodes, bonus = K.extension().accept_sampling(tokens, parents, logits, float(params.temperature), int(params.top_k),
+                                                 float(params.top_p), u)
     return nodes.tolist(), int(bonus[0])
 
 

@@ -122,6 +122,25 @@ def test_sampling_walk_continues_with_the_accepted_childs_distribution(verify):
         assert counts.sum() > 1000 and chi2_pvalue(counts, probs[node]) > 1e-4, node
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.7), SamplingParams(temperature=1.0, top_k=5),
+                                    SamplingParams(temperature=0.9, top_k=8, top_p=0.8),
+                                    SamplingParams(temperature=0.6, top_p=0.999)], ids=str)
+def test_extension_draws_what_target_probs_says(params):
+    """csrc's top-k / top-p cut (a histogram of the values, no sort) against target_probs: 20k draws of one token,
+    nothing outside the kept set, chi-square p > 1e-4."""
+    if K.extension() is None:
+        pytest.skip("the C++ extension is not built here")
+    from sglang_eagle3.verify import sample_token_ext
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, generator=g) * 2.5
+    p = target_probs(logits, params)
+    counts = torch.zeros(40)
+    for _ in range(20000):
+        counts[sample_token_ext(logits, params, g)] += 1
+    assert counts[p == 0].sum() == 0 and (p > 0).sum() < 40
+    assert chi2_pvalue(counts, p) > 1e-4
+
+
 def exact_marginals(hf, prompt, steps, params):
     """Exact distribution of each of the first `steps` tokens under the target (enumerating prefixes)."""
     V = hf.config.vocab_size
@@ -150,15 +169,18 @@ def chi2_pvalue(counts, p):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("biased,top_p", [(False, 0.95), (False, 1.0), (True, 0.95)])
-def test_engine_sampling_matches_target_distribution(biased, top_p, monkeypatch):
+@pytest.mark.parametrize("biased,top_p,ext", [(False, 0.95, True), (False, 1.0, True), (False, 0.95, False),
+                                              (True, 0.95, False)])
+def test_engine_sampling_matches_target_distribution(biased, top_p, ext, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
-    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). top_p 1.0: plain temperature
-    sampling, which csrc's accept_sampling walks where the extension is built."""
+    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). ext: csrc's accept_sampling
+    walks the tree (where the extension is built), else the PyTorch walk."""
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
     params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, ignore_eos=True)
     prompt = [3, 7, 1, 12]
     exact = exact_marginals(hf, prompt, 3, params)
+    if not ext:
+        monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
     if biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
     eng = SpeculativeEngine(tm, random_draft(tm, seed=4), SpecConfig(2, 3, 6))

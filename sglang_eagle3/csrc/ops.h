@@ -47,4 +47,4 @@ std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tens
                                    const at::Tensor& root_positions, int64_t num_draft_tokens);
 std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);
 std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
-                                        double temperature, const at::Tensor& uniforms);
+                                        double temperature, int64_t top_k, double top_p, const at::Tensor& uniforms);

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -109,6 +111,89 @@ inline double block_sum(const float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s += x[j];
   return s;
 #endif
+}
+
+// Nucleus / top-k filter of e[0:V] (exp of the scaled logits, all >= 0) in place, as verify.target_probs filters:
+// top_k > 0 keeps the values >= the k-th largest (ties at it all kept), then top_p < 1 keeps the largest values
+// while the mass before them is < top_p of the total (ties in value: the smaller index first). Returns the kept
+// total. Values are bucketed by their float bits (monotone for values >= 0), so no sort of the vocabulary: only
+// the one bucket the cut falls in is sorted.
+double filter_top(float* e, int64_t V, int64_t top_k, double top_p, double total) {
+  constexpr int SHIFT = 19, NB = 1 << (31 - SHIFT);          // exponent + 4 mantissa bits: 4,096 buckets
+  auto bucket = [](float x) { uint32_t u; std::memcpy(&u, &x, 4); return static_cast<int>(u >> SHIFT); };
+  std::vector<double> mass(NB, 0.0);
+  std::vector<int64_t> count(NB, 0);
+  for (int64_t j = 0; j < V; ++j) {
+    if (e[j] <= 0.f) continue;
+    const int b = bucket(e[j]);
+    mass[b] += e[j];
+    ++count[b];
+  }
+  // the cut: keep every value in buckets above `cut`, and in bucket `cut` the first `take` of its values sorted
+  // (value descending, index ascending)
+  auto cut_at = [&](auto&& stop_before) -> std::pair<int, int64_t> {
+    double cum = 0.0;
+    int64_t n = 0;
+    for (int b = NB - 1; b >= 0; --b) {
+      if (!count[b]) continue;
+      if (stop_before(cum, n, mass[b], count[b])) return {b, 0};
+      cum += mass[b];
+      n += count[b];
+    }
+    return {-1, 0};
+  };
+  auto sorted_bucket = [&](int b) {
+    std::vector<std::pair<float, int64_t>> in;
+    for (int64_t j = 0; j < V; ++j)
+      if (e[j] > 0.f && bucket(e[j]) == b) in.push_back({e[j], j});
+    std::sort(in.begin(), in.end(), [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    return in;
+  };
+  if (top_k > 0) {                      // the bucket holding the k-th largest value, then that value
+    auto [b, unused] = cut_at([&](double, int64_t n, double, int64_t c) { return n + c >= top_k; });
+    (void)unused;
+    if (b >= 0) {
+      int64_t above = 0;
+      for (int bb = NB - 1; bb > b; --bb) above += count[bb];
+      const float kth = sorted_bucket(b)[top_k - above - 1].first;
+      total = 0.0;
+      for (int64_t j = 0; j < V; ++j) {
+        if (e[j] < kth) e[j] = 0.f;
+        total += e[j];
+      }
+      std::fill(mass.begin(), mass.end(), 0.0);
+      std::fill(count.begin(), count.end(), 0);
+      for (int64_t j = 0; j < V; ++j)
+        if (e[j] > 0.f) { mass[bucket(e[j])] += e[j]; ++count[bucket(e[j])]; }
+    }
+  }
+  if (top_p < 1.0) {
+    const double limit = top_p * total;
+    double before = 0.0;
+    int b = NB - 1;
+    for (; b >= 0; --b) {                // the bucket in which the mass before a value reaches the limit
+      if (!count[b]) continue;
+      if (before + mass[b] >= limit) break;
+      before += mass[b];
+    }
+    if (b >= 0) {
+      const auto in = sorted_bucket(b);
+      size_t take = 0;
+      for (; take < in.size() && before < limit; ++take) before += in[take].first;
+      std::vector<char> keep(V, 0);
+      for (size_t i = 0; i < take; ++i) keep[in[i].second] = 1;
+      total = 0.0;
+      for (int64_t j = 0; j < V; ++j) {
+        if (e[j] <= 0.f) continue;
+        const int bj = bucket(e[j]);
+        if (bj < b || (bj == b && !keep[j])) e[j] = 0.f;
+        total += e[j];
+      }
+    }
+  }
+  return total;
 }
 
 }  // namespace
@@ -226,7 +311,8 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor
   return {path, count, emitted};
 }
 
-// Tree speculative sampling of one row (verify.verify_sampling with p = softmax(logits / temperature) at each node)
+// Tree speculative sampling of one row (verify.verify_sampling with p = target_probs: softmax(logits / temperature),
+// top_k > 0 and top_p < 1 filtered as there, at each node)
 // without a probability tensor: one exp pass over the vocabulary per visited node. At a node, its children (in index
 // order) are tried in turn: child c is accepted with probability r(c) / sum(r), r starting as p, a rejected child's
 // mass removed from r; when none is accepted the bonus token is drawn from r by its inverse CDF. tokens, parents
@@ -234,7 +320,7 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor
 // in [0, 1): one per child tried, then one for the bonus (at most N are used). Returns (accepted nodes [count],
 // starting with the root; the bonus token [1]).
 std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
-                                        double temperature, const at::Tensor& uniforms) {
+                                        double temperature, int64_t top_k, double top_p, const at::Tensor& uniforms) {
   TORCH_CHECK(tokens.dim() == 1 && tokens.sizes() == parents.sizes() && tokens.scalar_type() == at::kLong &&
               parents.scalar_type() == at::kLong, "accept_sampling: tokens, parents must be int64 [N]");
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0) && logits.device().is_cpu(),
@@ -258,6 +344,7 @@ std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tens
       const scalar_t* row = zp + node * V;
       const float mx = row_max(row, V);
       double left = exp_row(row, V, mx, inv_t, r.data());       // the residual's total (unnormalised)
+      if (top_k > 0 || top_p < 1.0) left = filter_top(r.data(), V, top_k, top_p, left);
       int64_t next = -1;
       for (int64_t c = node + 1; c < N && next < 0; ++c) {
         if (p[c] != node) continue;
@@ -280,7 +367,10 @@ std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tens
       block.assign(nb, 0.0);
       double total = 0.0;
       for (int pass = 0; pass < 2 && !(total > 0); ++pass) {
-        if (pass == 1) exp_row(row, V, mx, inv_t, r.data());      // all of p drafted and rejected: p itself
+        if (pass == 1) {                                          // all of p drafted and rejected: p itself
+          const double all = exp_row(row, V, mx, inv_t, r.data());
+          if (top_k > 0 || top_p < 1.0) filter_top(r.data(), V, top_k, top_p, all);
+        }
         total = 0.0;
         for (int64_t i = 0; i < nb; ++i) {
           block[i] = block_sum(r.data() + i * 16, std::min<int64_t>(16, V - i * 16));
