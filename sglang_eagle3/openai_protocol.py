@@ -184,7 +184,7 @@ def finish_reason(req: Request) -> str:
 def reported_logprobs(req: Request) -> int:
     """How many of the request's log-prob entries a response shows now: all but the EOS token that ended it."""
     n = len(req.output_logprobs or ())
-    return n - 1 if req.finish_reason == "eos" and n == len(req.output_ids) and n else n
+    return n - 1 if req.finish_reason == "eos" and n else n
 
 
 def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:

@@ -249,10 +249,11 @@ def create_app(state: ServerState):
             if req.output_logprobs is None or n <= done["entries"]:
                 return None
             entries = req.output_logprobs[done["entries"]:n]
-            out = (chat_logprobs(state.tokenizer, entries) if chat else
-                   completion_logprobs(state.tokenizer, entries, done["chars"]))
             done["entries"] = n
-            done["chars"] += sum(len(state.tokenizer.decode([e.token])) for e in entries)
+            if chat:
+                return chat_logprobs(state.tokenizer, entries)
+            out = completion_logprobs(state.tokenizer, entries, done["chars"])
+            done["chars"] = out["text_offset"][-1] + len(out["tokens"][-1])     # where the next piece starts
             return out
 
         def chunk(i, delta_text=None, reason=None, role=False, extra=None, logprobs=None):

@@ -228,7 +228,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(b)
     for rows in groups.values():
-        if sampling_in_extension(logits, params[rows[0]]):         # one exp pass per row, no probability tensor
+        if sampling_in_extension(logits):                          # one exp pass per row, no probability tensor
             for b in rows:
                 out[b] = sample_token_ext(logits[b], params[b], generators[b])
             continue
@@ -254,7 +254,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
             paths.append(greedy.path[b, :n].tolist())
             emitted.append(greedy.emitted[b, :n].tolist())
             continue
-        if sampling_in_extension(logits, p):      # one exp pass per visited node, no probability tensor
+        if sampling_in_extension(logits):         # one exp pass per visited node, no probability tensor
             nodes, bonus = accept_sampling_ext(tree.tokens[b], tree.parents[b], logits[b], p, g)
         else:
             tokens = tree.tokens[b].tolist()

@@ -229,8 +229,9 @@ def verify_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
             return accepted, bonus
 
 
-def sampling_in_extension(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Whether accept_sampling_ext serves this row: on the CPU with the extension built."""
+def sampling_in_extension(logits: torch.Tensor) -> bool:
+    """Whether accept_sampling_ext serves rows of these logits (any sampling parameters): on the CPU with the
+    extension built."""
     from . import kernels as K
     return (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
             and K.extension() is not None)
@@ -250,6 +251,6 @@ def accept_sampling_ext(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
 
 
 def sample_token_ext(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> int:
-    """One draw from softmax(logits [V] / temperature) by csrc's accept_sampling (a tree of the root alone)."""
+    """One draw from target_probs(logits [V], params) by csrc's accept_sampling (a tree of the root alone)."""
     root = torch.zeros(1, dtype=torch.long, device=logits.device)
     return accept_sampling_ext(root, root - 1, logits.view(1, -1), params, generator)[1]

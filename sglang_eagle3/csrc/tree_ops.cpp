@@ -121,28 +121,15 @@ inline double block_sum(const float* x, int64_t n) {
 double filter_top(float* e, int64_t V, int64_t top_k, double top_p, double total) {
   constexpr int SHIFT = 19, NB = 1 << (31 - SHIFT);          // exponent + 4 mantissa bits: 4,096 buckets
   auto bucket = [](float x) { uint32_t u; std::memcpy(&u, &x, 4); return static_cast<int>(u >> SHIFT); };
-  std::vector<double> mass(NB, 0.0);
-  std::vector<int64_t> count(NB, 0);
-  for (int64_t j = 0; j < V; ++j) {
-    if (e[j] <= 0.f) continue;
-    const int b = bucket(e[j]);
-    mass[b] += e[j];
-    ++count[b];
-  }
-  // the cut: keep every value in buckets above `cut`, and in bucket `cut` the first `take` of its values sorted
-  // (value descending, index ascending)
-  auto cut_at = [&](auto&& stop_before) -> std::pair<int, int64_t> {
-    double cum = 0.0;
-    int64_t n = 0;
-    for (int b = NB - 1; b >= 0; --b) {
-      if (!count[b]) continue;
-      if (stop_before(cum, n, mass[b], count[b])) return {b, 0};
-      cum += mass[b];
-      n += count[b];
-    }
-    return {-1, 0};
+  std::vector<double> mass(NB);
+  std::vector<int64_t> count(NB);
+  auto histogram = [&] {
+    std::fill(mass.begin(), mass.end(), 0.0);
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t j = 0; j < V; ++j)
+      if (e[j] > 0.f) { mass[bucket(e[j])] += e[j]; ++count[bucket(e[j])]; }
   };
-  auto sorted_bucket = [&](int b) {
+  auto sorted_bucket = [&](int b) {     // bucket b's values, value descending, index ascending
     std::vector<std::pair<float, int64_t>> in;
     for (int64_t j = 0; j < V; ++j)
       if (e[j] > 0.f && bucket(e[j]) == b) in.push_back({e[j], j});
@@ -151,44 +138,34 @@ double filter_top(float* e, int64_t V, int64_t top_k, double top_p, double total
     });
     return in;
   };
+  histogram();
   if (top_k > 0) {                      // the bucket holding the k-th largest value, then that value
-    auto [b, unused] = cut_at([&](double, int64_t n, double, int64_t c) { return n + c >= top_k; });
-    (void)unused;
+    int64_t above = 0;
+    int b = NB - 1;
+    for (; b >= 0 && above + count[b] < top_k; --b) above += count[b];
     if (b >= 0) {
-      int64_t above = 0;
-      for (int bb = NB - 1; bb > b; --bb) above += count[bb];
       const float kth = sorted_bucket(b)[top_k - above - 1].first;
       total = 0.0;
       for (int64_t j = 0; j < V; ++j) {
         if (e[j] < kth) e[j] = 0.f;
         total += e[j];
       }
-      std::fill(mass.begin(), mass.end(), 0.0);
-      std::fill(count.begin(), count.end(), 0);
-      for (int64_t j = 0; j < V; ++j)
-        if (e[j] > 0.f) { mass[bucket(e[j])] += e[j]; ++count[bucket(e[j])]; }
+      if (top_p < 1.0) histogram();
     }
   }
-  if (top_p < 1.0) {
+  if (top_p < 1.0) {                    // the bucket in which the mass before a value reaches the limit
     const double limit = top_p * total;
     double before = 0.0;
     int b = NB - 1;
-    for (; b >= 0; --b) {                // the bucket in which the mass before a value reaches the limit
-      if (!count[b]) continue;
-      if (before + mass[b] >= limit) break;
-      before += mass[b];
-    }
+    for (; b >= 0 && before + mass[b] < limit; --b) before += mass[b];
     if (b >= 0) {
       const auto in = sorted_bucket(b);
       size_t take = 0;
       for (; take < in.size() && before < limit; ++take) before += in[take].first;
-      std::vector<char> keep(V, 0);
-      for (size_t i = 0; i < take; ++i) keep[in[i].second] = 1;
+      for (size_t i = take; i < in.size(); ++i) e[in[i].second] = 0.f;
       total = 0.0;
       for (int64_t j = 0; j < V; ++j) {
-        if (e[j] <= 0.f) continue;
-        const int bj = bucket(e[j]);
-        if (bj < b || (bj == b && !keep[j])) e[j] = 0.f;
+        if (e[j] > 0.f && bucket(e[j]) < b) e[j] = 0.f;
         total += e[j];
       }
     }
