@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "sglang_eagle3.formats.cli",
     "sglang_eagle3.generate_cli",
     "sglang_eagle3.data.cli",
+    "sglang_eagle3.synthesize",
     "sglang_eagle3.regenerate",
     "sglang_eagle3.trainer.cli",
     "sglang_eagle3.launcher",

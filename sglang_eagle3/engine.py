@@ -17,7 +17,7 @@ from .config import SpecConfig, SpecProfile
 from .scheduler import Request, RequestError, Scheduler, SchedulerStats
 from .verify import SamplingParams, TokenLogprob
 
-Prompt = Union[str, list]   # plain text, or chat messages [{"role", "content"}]
+Prompt = Union[str, list]   # plain text, chat messages [{"role", "content"}], or token ids [int] (used as they are)
 
 
 @dataclass
@@ -74,7 +74,10 @@ def eos_ids_of(target) -> set[int]:
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Text as is (with the tokenizer's special tokens), chat messages through the chat template."""
+    """Text as is (with the tokenizer's special tokens), chat messages through the chat template, token ids as
+    they are."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)

@@ -1,0 +1,244 @@
+"""Synthesize user prompts with the target itself (`eagle3 synthesize-prompts`).
+
+A chat model asked to continue its own template right where a user's message begins writes a user's message
+(the "Magpie" recipe: arXiv 2406.08464): no seed data, and as many distinct prompts as one samples. For a draft the
+point is distinct conversations on the target's own distribution: every public prompt here has been answered
+already, and more answers to the same prompts teach a draft less than new prompts do. `eagle3 regenerate` then
+answers these prompts like any others.
+
+Each kept prompt ended with the target's end-of-turn token (a message cut off by --max-new-tokens is not kept),
+has at least --min-chars characters, differs from every prompt kept before it (whitespace and case ignored) and
+shares no 13-word sequence with the --exclude files (the eval sets: no benchmark prompt, or most of one, may
+reach the training data). Output: jsonl rows {"id", "turns": [prompt], "batch"} (the "prompts" format that
+regenerate and prepare-data read), appended to OUT.partial after every batch; a rerun resumes after the last
+batch written (a batch's seed is the run's seed and its index, so a resumed run never draws the same batch
+twice); OUT.partial becomes OUT once --n prompts are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from .cli import UserError
+
+SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
+NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
+
+
+def pre_query_ids(tokenizer, system: Optional[str] = None) -> list[int]:
+    """Token ids of the chat template up to where the first user message's text begins."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception as e:              # a template that rejects a system message, or no template at all
+        raise UserError(f"the target's chat template cannot render a user turn ({type(e).__name__}: {e})") from None
+    if SENTINEL not in text:
+        raise UserError("the target's chat template does not place the user's text verbatim; cannot find where a "
+                        "user message begins")
+    return list(tokenizer(text[:text.index(SENTINEL)], add_special_tokens=False)["input_ids"])
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def word_ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+@dataclass
+class PromptFilter:
+    """Keeps a prompt once: finished, long enough, new, and sharing no NGRAM-word run with an excluded prompt."""
+    min_chars: int = 16
+    excluded: set = field(default_factory=set)         # word n-grams of the excluded prompts
+    excluded_short: set = field(default_factory=set)   # whole normalised excluded prompts shorter than NGRAM words
+    seen: set = field(default_factory=set)             # normalised prompts kept so far
+    dropped: dict = field(default_factory=dict)        # reason -> count
+
+    def exclude(self, prompts: Iterable[str]) -> None:
+        for p in prompts:
+            grams = word_ngrams(p)
+            if grams:
+                self.excluded |= grams
+            else:
+                self.excluded_short.add(normalize(p))
+
+    def _drop(self, reason: str) -> bool:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        return False
+
+    def keep(self, text: str, finished: bool) -> bool:
+        if not finished:
+            return self._drop("cut off at --max-new-tokens")
+        if len(text.strip()) < self.min_chars:
+            return self._drop("shorter than --min-chars")
+        key = normalize(text)
+        if key in self.seen:
+            return self._drop("duplicate")
+        if key in self.excluded_short or not word_ngrams(text).isdisjoint(self.excluded):
+            return self._drop("overlaps an --exclude prompt")
+        self.seen.add(key)
+        return True
+
+
+def read_partial(path: str) -> tuple[list[dict], int]:
+    """(rows already kept, the next batch index); a torn last line (a kill mid-write) is cut off."""
+    rows, good, next_batch = [], 0, 0
+    if not os.path.exists(path):
+        return rows, 0
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break
+        try:
+            row = json.loads(data[pos:nl])
+            batch = int(row["batch"])
+            row["turns"][0]
+        except (ValueError, KeyError, TypeError, IndexError):
+            if data.find(b"\n", nl + 1) >= 0:
+                raise UserError(f"{path}: line at byte {pos} is not a synthesized prompt; delete the file to start "
+                                "over") from None
+            break
+        if row.get("id") != "-":                       # "-": a batch that kept nothing (its index still counts)
+            rows.append(row)
+        next_batch = max(next_batch, batch + 1)
+        pos = good = nl + 1
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return rows, next_batch
+
+
+def _append(f, rows: list[dict]) -> None:
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+               max_new_tokens: int = 256, batch_size: int = 64, system: Optional[str] = None,
+               flt: Optional[PromptFilter] = None, progress: bool = True, max_barren_batches: int = 20) -> dict:
+    """Sample user prompts from the engine's target until n are kept in OUT; returns counts."""
+    import fcntl
+    from tqdm import tqdm
+    from .verify import SamplingParams
+    flt = flt or PromptFilter()
+    prefix = pre_query_ids(engine.tokenizer, system)
+    partial = out + ".partial"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(partial, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"{partial} is being written by another run") from None
+        rows, batch = read_partial(partial)
+        for r in rows:
+            flt.seen.add(normalize(r["turns"][0]))
+        kept_before, sampled, barren = len(rows), 0, 0
+        with open(partial, "a", encoding="utf-8") as f, \
+                tqdm(total=n, initial=min(n, len(rows)), desc="synthesizing", unit=" prompt",
+                     disable=not progress) as bar:
+            while len(rows) < n:
+                params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                        seed=seed * 1_000_003 + batch)
+                outs, _ = engine.generate([list(prefix)] * batch_size, params, batch_size=batch_size)
+                sampled += len(outs)
+                new = []
+                for i, o in enumerate(outs):
+                    text = o.text.strip()
+                    if flt.keep(text, o.finish_reason in ("eos", "stop")) and len(rows) + len(new) < n:
+                        new.append({"id": f"synth-s{seed}-b{batch}-{i}", "turns": [text], "batch": batch})
+                _append(f, new or [{"id": "-", "turns": [""], "batch": batch}])
+                rows += new
+                bar.update(len(new))
+                bar.set_postfix_str(f"kept {len(new)}/{len(outs)} of batch {batch}")
+                barren = barren + 1 if len(new) < max(1, batch_size // 20) else 0
+                if barren >= max_barren_batches:
+                    raise UserError(f"{max_barren_batches} batches in a row kept under 5% of their prompts "
+                                    f"({len(rows)} kept of --n {n}; dropped: {flt.dropped}): the target repeats "
+                                    f"itself at --temperature {temperature:g}; raise it or ask for fewer")
+                batch += 1
+    # the finished file: kept prompts only, in the order drawn
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:n])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    os.remove(partial)
+    return {"kept": min(n, len(rows)), "kept_before_this_run": kept_before, "sampled_this_run": sampled,
+            "batches": batch, "dropped_this_run": dict(flt.dropped)}
+
+
+# ---- command line ----------------------------------------------------------------------------
+def run_settings(args) -> dict:
+    return {"target": os.path.abspath(args.target) if os.path.exists(args.target) else args.target,
+            "dtype": args.dtype, "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "system": args.system, "min_chars": args.min_chars,
+            "exclude": sorted(os.path.abspath(p) for p in args.exclude), "batch_size": args.batch_size}
+
+
+def run(args) -> int:
+    from .prompts import load_prompts
+    from .regenerate import check_settings
+    for name in ("n", "batch_size", "max_new_tokens", "min_chars"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        raise UserError(f"--temperature must be > 0 (greedy decoding writes one prompt), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if os.path.exists(args.out) and not args.overwrite:
+        with open(args.out, encoding="utf-8") as f:
+            have = sum(1 for line in f if line.strip())
+        if have >= args.n:
+            print(f"{args.out} already holds {have} prompts; pass --overwrite to draw new ones")
+            return 0
+        raise UserError(f"{args.out} holds {have} prompts, fewer than --n {args.n}: write to another --out, or pass "
+                        "--overwrite to draw them again")
+    if args.overwrite:
+        for stale in (args.out, args.out + ".partial"):
+            if os.path.exists(stale):
+                os.remove(stale)
+    flt = PromptFilter(min_chars=args.min_chars)
+    for path in args.exclude:
+        flt.exclude(t for turns in load_prompts(path) for t in turns)
+    check_settings(args.out, run_settings(args), args.overwrite)   # a resumed run draws the same way
+    from .config import SpecConfig
+    from .generate_cli import load_engine
+    engine = load_engine(args.target, "none", SpecConfig(), args.dtype, args.device)
+    counts = synthesize(engine, args.n, args.out, args.seed, args.temperature, args.top_p, args.max_new_tokens,
+                        args.batch_size, args.system, flt, not args.quiet)
+    print(json.dumps(counts, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("synthesize-prompts",
+                       help="user prompts written by the target itself (Magpie), for regenerate (resumable)")
+    p.add_argument("--target", required=True, help="target folder ('testbed' = SmolLM2)")
+    p.add_argument("--out", required=True, help="output .jsonl (OUT.partial while running; rerun to resume)")
+    p.add_argument("--n", type=int, required=True, help="prompts to keep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest prompt drawn (longer ones are dropped)")
+    p.add_argument("--min-chars", type=int, default=16, help="shortest prompt kept (default 16 characters)")
+    p.add_argument("--system", default=None, help="system message before the user turn (default: the template's)")
+    p.add_argument("--exclude", nargs="*", default=[], metavar="FILE",
+                   help="prompt files (eval sets) whose prompts must not reappear: a prompt sharing a 13-word run "
+                        "with one of them is dropped")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts drawn per batch")
+    p.add_argument("--dtype", default="auto", help="auto (default): bfloat16 where this CPU or GPU computes in it")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--overwrite", action="store_true", help="draw a finished or partial OUT again")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run)

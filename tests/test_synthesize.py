@@ -1,0 +1,146 @@
+"""synthesize-prompts: the pre-query template, the prompt filter, resumable sampling, the command line."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_eagle3.cli import UserError
+from sglang_eagle3.synthesize import PromptFilter, pre_query_ids, read_partial, synthesize
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return "<s>" + "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+class FakeEngine:
+    """Writes prompt number (seed, i) of a batch; `texts(seed, i)` decides the text; raises after `fail_after`
+    generate calls (a kill)."""
+
+    def __init__(self, texts=None, fail_after=None, cut=()):
+        self.tokenizer = FakeTokenizer()
+        self.texts = texts or (lambda seed, i: f"Question {seed} number {i}: what is going on here?")
+        self.seeds, self.prompts, self.fail_after, self.cut = [], [], fail_after, set(cut)
+
+    def generate(self, prompts, params, batch_size=None):
+        if self.fail_after is not None and len(self.seeds) >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.seeds.append(params.seed)
+        self.prompts += prompts
+        return [SimpleNamespace(text=self.texts(params.seed, i), finish_reason="length" if i in self.cut else "eos")
+                for i in range(len(prompts))], None
+
+
+def read_rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_pre_query_ids_end_where_the_user_text_begins():
+    ids = pre_query_ids(FakeTokenizer())
+    assert "".join(map(chr, ids)) == "<s><user>"                 # no extra special token in front
+    assert "".join(map(chr, pre_query_ids(FakeTokenizer(), "Be brief."))) == "<s><system>Be brief.</system><user>"
+
+
+def test_pre_query_ids_of_smollm2(smollm2_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = pre_query_ids(tok)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>user\n") and text.count("<|im_start|>") == 2      # system turn, user turn
+    full = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    full = full if isinstance(full, list) else full["input_ids"]
+    assert full[:len(ids)] == ids                                 # the same tokens as the template's own
+
+
+def test_filter_reasons():
+    f = PromptFilter(min_chars=10)
+    f.exclude(["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+               "experiences and must-see attractions.", "Hi there"])
+    assert f.keep("What is the capital of France?", True)
+    assert not f.keep("what is  the capital of france?", True)    # case and spaces ignored
+    assert not f.keep("Tell me a long story about a dragon", False)
+    assert not f.keep("Why?", True)
+    # 13 words of an eval prompt in a row: dropped; 12 of them: kept
+    assert not f.keep("Please: compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
+                      "everything.", True)
+    assert f.keep("Please: compose an engaging travel blog post about a recent trip to Hawaii, fine?", True)
+    assert not f.keep("hi   THERE", True)                          # a short excluded prompt, whole
+    assert f.dropped == {"duplicate": 1, "cut off at --max-new-tokens": 1, "shorter than --min-chars": 1,
+                         "overlaps an --exclude prompt": 2}
+
+
+def test_synthesize_keeps_n_distinct_prompts_with_a_seed_per_batch(tmp_path):
+    eng = FakeEngine(texts=lambda seed, i: f"Question {i % 3} about the world, please?", cut=(0,))
+    out = str(tmp_path / "p.jsonl")
+    with pytest.raises(UserError, match="repeats itself"):      # 3 distinct texts only: it stops, saying why
+        synthesize(eng, 10, out, batch_size=4, progress=False, max_barren_batches=3)
+    rows, next_batch = read_partial(out + ".partial")
+    assert [r["turns"][0] for r in rows] == ["Question 1 about the world, please?", "Question 2 about the world, please?",
+                                              "Question 0 about the world, please?"]
+    assert next_batch == 4 and eng.seeds == [0, 1, 2, 3]
+    assert eng.prompts[0] == [ord(c) for c in "<s><user>"]      # token ids, not text to tokenize again
+
+    eng = FakeEngine()
+    counts = synthesize(eng, 10, str(tmp_path / "q.jsonl"), seed=5, batch_size=4, progress=False)
+    rows = read_rows(tmp_path / "q.jsonl")
+    assert len(rows) == 10 == counts["kept"] and len({r["turns"][0] for r in rows}) == 10
+    assert eng.seeds == [5 * 1_000_003 + b for b in range(3)]
+    assert not (tmp_path / "q.jsonl.partial").exists()
+
+
+def test_synthesize_resumes_after_a_kill_without_drawing_a_batch_twice(tmp_path):
+    out = str(tmp_path / "p.jsonl")
+    eng = FakeEngine(fail_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(eng, 12, out, batch_size=4, progress=False)
+    with open(out + ".partial", "a") as f:
+        f.write('{"id": "torn", "tur')                            # a kill in the middle of a write
+    eng2 = FakeEngine()
+    counts = synthesize(eng2, 12, out, batch_size=4, progress=False)
+    assert eng.seeds == [0, 1] and eng2.seeds == [2]              # batch 2 next, batches 0-1 kept
+    assert counts["kept_before_this_run"] == 8 and counts["sampled_this_run"] == 4
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [f"synth-s0-b{b}-{i}" for b in range(3) for i in range(4)]
+
+
+def test_cli(tmp_path, capsys):
+    from conftest import save_tiny_model_folder
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    out = tmp_path / "p.jsonl"
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"turns": ["one two three"]}) + "\n")
+    common = ["synthesize-prompts", "--target", target, "--out", str(out), "--quiet", "--exclude", str(evals)]
+    assert main([*common, "--n", "0"]) == 2
+    assert "--n must be >= 1" in capsys.readouterr().err
+    assert main([*common, "--n", "3", "--temperature", "0"]) == 2
+    assert "--temperature must be > 0" in capsys.readouterr().err
+    rc = main([*common, "--n", "3", "--max-new-tokens", "6", "--min-chars", "1", "--batch-size", "8"])
+    assert rc == 0, capsys.readouterr().err
+    rows = read_rows(out)
+    assert len(rows) == 3 and all(r["turns"][0] for r in rows)
+    before = out.read_text()
+    assert main([*common, "--n", "3"]) == 0                      # complete: nothing drawn, nothing lost
+    assert "already holds 3 prompts" in capsys.readouterr().out and out.read_text() == before
+    assert main([*common, "--n", "5"]) == 2                      # fewer than asked: refused, file kept
+    assert "fewer than --n 5" in capsys.readouterr().err and out.read_text() == before
+    # the rows load as prompts for regenerate
+    from sglang_eagle3.regenerate import load_conversations
+    convs = load_conversations([str(out)])
+    assert [c.messages for c in convs] == [[{"role": "user", "content": r["turns"][0]}] for r in rows]
+
+
+def test_engine_takes_token_ids_as_they_are():
+    from conftest import tiny_target
+    from sglang_eagle3.engine import SpeculativeEngine
+    from sglang_eagle3.verify import SamplingParams
+    eng = SpeculativeEngine(tiny_target()[0])
+    assert eng.encode([5, 7, 9]) == [5, 7, 9]
+    a, _ = eng.generate([[5, 7, 9]], SamplingParams(max_new_tokens=4))
+    assert a[0].token_ids and a[0].prompt == [5, 7, 9]
