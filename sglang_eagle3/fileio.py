@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 
 
 def write_json(path: str, obj) -> None:
@@ -36,3 +37,54 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def append_jsonl(f, rows: list) -> None:
+    """Append rows to an open text file and fsync: a kill loses at most the line being written."""
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_jsonl_resumable(path: str, check, what: str) -> list:
+    """Rows of a jsonl file written by append_jsonl, each passed through check(row) (raises KeyError / TypeError /
+    ValueError / IndexError for a row that does not belong). A torn last line (a kill mid-write) is cut off the file;
+    a bad line before the last raises ValueError naming the file and the byte offset."""
+    rows, good = [], 0
+    if not os.path.exists(path):
+        return rows
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break   # no newline: torn write
+        try:
+            row = json.loads(data[pos:nl])
+            check(row)
+        except (ValueError, KeyError, TypeError, IndexError):
+            if data.find(b"\n", nl + 1) >= 0:
+                raise ValueError(f"{path}: line at byte {pos} is not {what}; delete the file to start over") from None
+            break
+        rows.append(row)
+        pos = good = nl + 1
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return rows
+
+
+@contextmanager
+def exclusive_writer(path: str):
+    """Hold an exclusive lock on `path` (created, with its folder, if missing) while a long job appends to it;
+    a second run on the same file stops with a one-line error instead of interleaving rows."""
+    import fcntl
+    from .cli import UserError
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"{path} is being written by another run") from None
+        yield

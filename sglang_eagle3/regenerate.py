@@ -11,7 +11,6 @@ Output: jsonl rows {"key", "id", "source", "messages": [{"role", "content"}]} (l
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Optional, Protocol
 
 from .cli import UserError
 from .data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
+from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable
 
 
 class Generator(Protocol):
@@ -126,38 +126,14 @@ def regenerate_batch(convs: list[Conversation], generator: Generator, max_turns:
 # ---- resumable output ------------------------------------------------------------------------
 def _scan_partial(path: str) -> set[str]:
     """Keys already written; cuts a torn last line (a kill mid-write) off the file."""
-    done, good = set(), 0
-    if not os.path.exists(path):
-        return done
-    with open(path, "rb") as f:
-        data = f.read()
-    pos = 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            break   # no newline: torn write
-        try:
-            key = json.loads(data[pos:nl])["key"]
-        except (ValueError, KeyError, TypeError):
-            if data.find(b"\n", nl + 1) >= 0:
-                raise UserError(f"{path}: line at byte {pos} is corrupt; delete the file to start over") from None
-            break
-        done.add(key)
-        pos = good = nl + 1
-    if good < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return done
+    try:
+        return {row["key"] for row in read_jsonl_resumable(path, lambda row: row["key"], "a regenerated row")}
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _prompt_chars(conv: Conversation) -> int:
     return sum(len(m["content"] or "") for m in conv.messages if m["role"] in ("system", "user"))
-
-
-def _append(f, rows: list[dict]) -> None:
-    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    f.flush()
-    os.fsync(f.fileno())
 
 
 @dataclass
@@ -222,12 +198,7 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
             stats.already_done = len(convs)
             return stats
         os.replace(out, partial)                     # more rows asked for (--max-rows): continue the run
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(partial, "a+b") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise UserError(f"{partial} is being written by another run") from None
+    with exclusive_writer(partial):
         done = _scan_partial(partial)
         # Similar lengths in one batch: every row of a batch attends over the longest prompt's cache.
         todo = sorted((c for c in convs if c.key not in done), key=_prompt_chars)
@@ -245,7 +216,7 @@ def regenerate(convs: list[Conversation], generator: Generator, out: str, batch_
                     wanted = min(len(split_prompts(conv)[1]), max_turns or 10**9)
                     stats.turns_dropped += wanted - sum(m["role"] == "assistant" for m in msgs)
                     rows.append({"key": conv.key, "id": conv.id, "source": conv.source, "messages": msgs})
-                _append(f, rows)
+                append_jsonl(f, rows)
                 stats.written += len(rows)
                 bar.update(len(batch))
         _finish_in_input_order(partial, out, [c.key for c in convs])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .cli import UserError
+from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
 NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
@@ -87,57 +88,26 @@ class PromptFilter:
 
 def read_partial(path: str) -> tuple[list[dict], int]:
     """(rows already kept, the next batch index); a torn last line (a kill mid-write) is cut off."""
-    rows, good, next_batch = [], 0, 0
-    if not os.path.exists(path):
-        return rows, 0
-    with open(path, "rb") as f:
-        data = f.read()
-    pos = 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            break
-        try:
-            row = json.loads(data[pos:nl])
-            batch = int(row["batch"])
-            row["turns"][0]
-        except (ValueError, KeyError, TypeError, IndexError):
-            if data.find(b"\n", nl + 1) >= 0:
-                raise UserError(f"{path}: line at byte {pos} is not a synthesized prompt; delete the file to start "
-                                "over") from None
-            break
-        if row.get("id") != "-":                       # "-": a batch that kept nothing (its index still counts)
-            rows.append(row)
-        next_batch = max(next_batch, batch + 1)
-        pos = good = nl + 1
-    if good < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return rows, next_batch
-
-
-def _append(f, rows: list[dict]) -> None:
-    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    f.flush()
-    os.fsync(f.fileno())
+    def check(row):
+        int(row["batch"]), row["turns"][0]
+    try:
+        rows = read_jsonl_resumable(path, check, "a synthesized prompt")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    next_batch = max((int(r["batch"]) + 1 for r in rows), default=0)
+    return [r for r in rows if r.get("id") != "-"], next_batch     # "-": a batch that kept nothing (still counted)
 
 
 def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
                max_new_tokens: int = 256, batch_size: int = 64, system: Optional[str] = None,
                flt: Optional[PromptFilter] = None, progress: bool = True, max_barren_batches: int = 20) -> dict:
     """Sample user prompts from the engine's target until n are kept in OUT; returns counts."""
-    import fcntl
     from tqdm import tqdm
     from .verify import SamplingParams
     flt = flt or PromptFilter()
     prefix = pre_query_ids(engine.tokenizer, system)
     partial = out + ".partial"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(partial, "a+b") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise UserError(f"{partial} is being written by another run") from None
+    with exclusive_writer(partial):
         rows, batch = read_partial(partial)
         for r in rows:
             flt.seen.add(normalize(r["turns"][0]))
@@ -155,7 +125,7 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
                     text = o.text.strip()
                     if flt.keep(text, o.finish_reason in ("eos", "stop")) and len(rows) + len(new) < n:
                         new.append({"id": f"synth-s{seed}-b{batch}-{i}", "turns": [text], "batch": batch})
-                _append(f, new or [{"id": "-", "turns": [""], "batch": batch}])
+                append_jsonl(f, new or [{"id": "-", "turns": [""], "batch": batch}])
                 rows += new
                 bar.update(len(new))
                 bar.set_postfix_str(f"kept {len(new)}/{len(outs)} of batch {batch}")
