@@ -144,3 +144,13 @@ def test_engine_takes_token_ids_as_they_are():
     assert eng.encode([5, 7, 9]) == [5, 7, 9]
     a, _ = eng.generate([[5, 7, 9]], SamplingParams(max_new_tokens=4))
     assert a[0].token_ids and a[0].prompt == [5, 7, 9]
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path):
+    from sglang_eagle3.fileio import exclusive_writer
+    out = str(tmp_path / "p.jsonl")
+    with exclusive_writer(out + ".partial"):
+        with pytest.raises(UserError, match="being written by another run"):
+            synthesize(FakeEngine(), 4, out, batch_size=4, progress=False)
+    synthesize(FakeEngine(), 4, out, batch_size=4, progress=False)     # the lock went with the first run
+    assert len(read_rows(out)) == 4
