@@ -12,7 +12,7 @@ shares no 13-word sequence with the --exclude files (the eval sets: no benchmark
 reach the training data). Output: jsonl rows {"id", "turns": [prompt], "batch"} (the "prompts" format that
 regenerate and prepare-data read), appended to OUT.partial after every batch; a rerun resumes after the last
 batch written (a batch's seed is the run's seed and its index, so a resumed run never draws the same batch
-twice); OUT.partial becomes OUT once --n prompts are kept.
+twice); OUT.partial becomes OUT once --n prompts are kept (a larger --n later draws more after them).
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
     prefix = pre_query_ids(engine.tokenizer, system)
     partial = out + ".partial"
     with exclusive_writer(partial):
+        if os.path.exists(out) and os.path.getsize(partial) == 0:
+            os.replace(out, partial)                 # a larger --n: go on from the finished rows (they keep their batch)
         rows, batch = read_partial(partial)
         for r in rows:
             flt.seen.add(normalize(r["turns"][0]))
@@ -171,8 +173,7 @@ def run(args) -> int:
         if have >= args.n:
             print(f"{args.out} already holds {have} prompts; pass --overwrite to draw new ones")
             return 0
-        raise UserError(f"{args.out} holds {have} prompts, fewer than --n {args.n}: write to another --out, or pass "
-                        "--overwrite to draw them again")
+        print(f"{args.out} holds {have} prompts: drawing {args.n - have} more")
     if args.overwrite:
         for stale in (args.out, args.out + ".partial"):
             if os.path.exists(stale):

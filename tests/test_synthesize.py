@@ -92,6 +92,11 @@ def test_synthesize_keeps_n_distinct_prompts_with_a_seed_per_batch(tmp_path):
     assert len(rows) == 10 == counts["kept"] and len({r["turns"][0] for r in rows}) == 10
     assert eng.seeds == [5 * 1_000_003 + b for b in range(3)]
     assert not (tmp_path / "q.jsonl.partial").exists()
+    # a larger n later: the finished rows stay, the next batch is drawn after the last one
+    eng = FakeEngine()
+    counts = synthesize(eng, 14, str(tmp_path / "q.jsonl"), seed=5, batch_size=4, progress=False)
+    assert eng.seeds == [5 * 1_000_003 + 3] and counts["kept_before_this_run"] == 10
+    assert read_rows(tmp_path / "q.jsonl")[:10] == rows and len(read_rows(tmp_path / "q.jsonl")) == 14
 
 
 def test_synthesize_resumes_after_a_kill_without_drawing_a_batch_twice(tmp_path):
@@ -128,8 +133,12 @@ def test_cli(tmp_path, capsys):
     before = out.read_text()
     assert main([*common, "--n", "3"]) == 0                      # complete: nothing drawn, nothing lost
     assert "already holds 3 prompts" in capsys.readouterr().out and out.read_text() == before
-    assert main([*common, "--n", "5"]) == 2                      # fewer than asked: refused, file kept
-    assert "fewer than --n 5" in capsys.readouterr().err and out.read_text() == before
+    args = ["--max-new-tokens", "6", "--min-chars", "1", "--batch-size", "8"]
+    assert main([*common, "--n", "5", *args, "--seed", "1"]) == 2          # more, drawn another way: refused
+    assert "other settings" in capsys.readouterr().err and out.read_text() == before
+    assert main([*common, "--n", "5", *args]) == 0                          # more, the same way: drawn after them
+    assert "drawing 2 more" in capsys.readouterr().out and read_rows(out)[:3] == rows and len(read_rows(out)) == 5
+    rows = read_rows(out)
     # the rows load as prompts for regenerate
     from sglang_eagle3.regenerate import load_conversations
     convs = load_conversations([str(out)])
