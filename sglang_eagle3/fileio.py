@@ -7,15 +7,19 @@ import os
 from contextlib import contextmanager
 
 
-def write_json(path: str, obj) -> None:
-    """Write JSON atomically: a temporary sibling, fsync, then rename (no torn file after a kill)."""
+def write_text_atomic(path: str, text: str) -> None:
+    """Write a text file atomically: a temporary sibling, fsync, then rename (no torn file after a kill)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically (write_text_atomic)."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def current_umask() -> int:
@@ -49,7 +53,8 @@ def append_jsonl(f, rows: list) -> None:
 def read_jsonl_resumable(path: str, check, what: str) -> list:
     """Rows of a jsonl file written by append_jsonl, each passed through check(row) (raises KeyError / TypeError /
     ValueError / IndexError for a row that does not belong). A torn last line (a kill mid-write) is cut off the file;
-    a bad line before the last raises ValueError naming the file and the byte offset."""
+    a bad line before the last is a UserError naming the file and the byte offset."""
+    from .cli import UserError
     rows, good = [], 0
     if not os.path.exists(path):
         return rows
@@ -65,7 +70,7 @@ def read_jsonl_resumable(path: str, check, what: str) -> list:
             check(row)
         except (ValueError, KeyError, TypeError, IndexError):
             if data.find(b"\n", nl + 1) >= 0:
-                raise ValueError(f"{path}: line at byte {pos} is not {what}; delete the file to start over") from None
+                raise UserError(f"{path}: line at byte {pos} is not {what}; delete the file to start over") from None
             break
         rows.append(row)
         pos = good = nl + 1

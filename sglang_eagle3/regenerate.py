@@ -18,7 +18,7 @@ from typing import Optional, Protocol
 
 from .cli import UserError
 from .data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
-from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable
+from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 
 
 class Generator(Protocol):
@@ -126,10 +126,7 @@ def regenerate_batch(convs: list[Conversation], generator: Generator, max_turns:
 # ---- resumable output ------------------------------------------------------------------------
 def _scan_partial(path: str) -> set[str]:
     """Keys already written; cuts a torn last line (a kill mid-write) off the file."""
-    try:
-        return {row["key"] for row in read_jsonl_resumable(path, lambda row: row["key"], "a regenerated row")}
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return {row["key"] for row in read_jsonl_resumable(path, lambda row: row["key"], "a regenerated row")}
 
 
 def _prompt_chars(conv: Conversation) -> int:
@@ -229,12 +226,7 @@ def _finish_in_input_order(partial: str, out: str, keys: list[str]) -> None:
     with open(partial, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     lines.sort(key=lambda line: order.get(json.loads(line)["key"], len(order)))
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_text_atomic(out, "".join(lines))
     os.remove(partial)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .cli import UserError
-from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable
+from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
 NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
@@ -90,10 +90,7 @@ def read_partial(path: str) -> tuple[list[dict], int]:
     """(rows already kept, the next batch index); a torn last line (a kill mid-write) is cut off."""
     def check(row):
         int(row["batch"]), row["turns"][0]
-    try:
-        rows = read_jsonl_resumable(path, check, "a synthesized prompt")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    rows = read_jsonl_resumable(path, check, "a synthesized prompt")
     next_batch = max((int(r["batch"]) + 1 for r in rows), default=0)
     return [r for r in rows if r.get("id") != "-"], next_batch     # "-": a batch that kept nothing (still counted)
 
@@ -138,12 +135,7 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
                                     f"itself at --temperature {temperature:g}; raise it or ask for fewer")
                 batch += 1
     # the finished file: kept prompts only, in the order drawn
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:n])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:n]))
     os.remove(partial)
     return {"kept": min(n, len(rows)), "kept_before_this_run": kept_before, "sampled_this_run": sampled,
             "batches": batch, "dropped_this_run": dict(flt.dropped)}

@@ -163,3 +163,11 @@ def test_a_second_run_on_the_same_output_is_refused(tmp_path):
             synthesize(FakeEngine(), 4, out, batch_size=4, progress=False)
     synthesize(FakeEngine(), 4, out, batch_size=4, progress=False)     # the lock went with the first run
     assert len(read_rows(out)) == 4
+
+
+def test_a_corrupt_line_before_the_last_is_named(tmp_path):
+    out = tmp_path / "p.jsonl"
+    (tmp_path / "p.jsonl.partial").write_text('{"id": "a", "turns": ["x"], "batch": 0}\nnot json\n'
+                                              '{"id": "b", "turns": ["y"], "batch": 1}\n')
+    with pytest.raises(UserError, match=r"p\.jsonl\.partial: line at byte 40 is not a synthesized prompt"):
+        synthesize(FakeEngine(), 4, str(out), batch_size=4, progress=False)
