@@ -89,12 +89,18 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+def is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompt)
+
+
 class ServerState:
     """The scheduler, its thread, and what the HTTP layer needs to know about the model."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, info: Optional[dict] = None):
         self.scheduler, self.model_name, self.info = scheduler, model_name, info or {}
         self.tokenizer = scheduler.tokenizer
+        self.vocab_size = scheduler.target.vocab_size           # rows of the embedding: the valid token ids
         self.metrics = Metrics()
         self.created = int(time.time())
         self.thread: Optional[threading.Thread] = None
@@ -141,7 +147,7 @@ class Handler:
             for i, p in enumerate(params):
                 reqs.append(sched.submit(Request(prompt_ids, p, prompt=prompt, listener=listener_of(i))))
         except RequestError as e:
-            raise APIError(400, str(e), "messages" if isinstance(prompt, list) else "prompt",
+            raise APIError(400, str(e), "prompt" if isinstance(prompt, str) or is_token_ids(prompt) else "messages",
                            "context_length_exceeded") from None
         except QueueFull as e:
             for req in reqs:
@@ -150,6 +156,13 @@ class Handler:
             raise APIError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
         return reqs
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.state.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 <= id < {vocab})",
+                           "prompt")
 
     def tokenize(self, prompt) -> list[int]:
         try:
@@ -210,7 +223,9 @@ def create_app(state: ServerState):
         reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
-        echo = prompt if not chat and body.echo else ""            # completions: the prompt before the answer
+        echo = ""                                                   # completions: the prompt before the answer
+        if not chat and body.echo:
+            echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(stream(reqs, queue, rid, chat, include_usage, echo),
@@ -306,11 +321,11 @@ def create_app(state: ServerState):
         if isinstance(prompt, list):
             if len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
-            elif prompt and all(isinstance(t, int) for t in prompt):
-                prompt = state.tokenizer.decode(prompt)
+            elif is_token_ids(prompt):
+                handler.check_token_ids(prompt)         # token ids go to the model as they are, not re-tokenized
             else:
                 raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
-        if not isinstance(prompt, str) or not prompt:
+        elif not isinstance(prompt, str) or not prompt:
             raise APIError(400, "prompt must be a non-empty string", "prompt")
         return await run(http, body, prompt, chat=False)
 

@@ -130,6 +130,26 @@ def test_streaming_chat_and_completions(live):
     assert "spec_stats" in json.loads(lines[-2][6:])
 
 
+def test_completions_take_token_ids_as_they_are(live, folders):
+    """A list of token ids reaches the model unchanged: not decoded and tokenized again (which here would drop the
+    newline token, as the word-level tokenizer splits on whitespace); an id outside the vocabulary is refused."""
+    target, _ = folders
+    tok = load_engine(target, "none", SPEC, "float32").tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in ["w4", "\n", "w9", "w1"]]
+    assert len(tok(tok.decode(ids), add_special_tokens=True)["input_ids"]) != len(ids)   # the round trip loses it
+    eng = load_engine(target, "none", SPEC, "float32")
+    expect = eng.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))[0][0].text
+    r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True, "echo": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["text"] == tok.decode(ids) + expect
+    r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [ids[0], 96], "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and "prompt[1] = 96" in err["message"], r.text
+
+
 def test_models_health_metrics(live):
     models = httpx.get(live.url + "/v1/models").json()
     assert models["data"][0]["id"] == "tiny" and models["object"] == "list"
