@@ -13,6 +13,13 @@ reach the training data). Output: jsonl rows {"id", "turns": [prompt], "batch"} 
 regenerate and prepare-data read), appended to OUT.partial after every batch; a rerun resumes after the last
 batch written (a batch's seed is the run's seed and its index, so a resumed run never draws the same batch
 twice); OUT.partial becomes OUT once --n prompts are kept (a larger --n later draws more after them).
+
+--turns K writes conversations of up to K user turns (MT-bench asks a second question after the model's own first
+answer): the target answers each kept prompt (--answer-temperature, --answer-max-new-tokens), then continues its
+template where the next user message begins, as many times as asked. A follow-up is kept if it finished and has
+--min-chars characters, and shares no 13-word run with an --exclude file (follow-ups such as "Make it shorter." may
+repeat across conversations); the first follow-up or answer that fails ends its conversation, which keeps the turns
+before it. These answers only condition the follow-ups: regenerate answers every turn again.
 """
 from __future__ import annotations
 
@@ -29,9 +36,21 @@ SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while th
 NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
 
 
-def pre_query_ids(tokenizer, system: Optional[str] = None) -> list[int]:
-    """Token ids of the chat template up to where the first user message's text begins."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+def chat_messages(system: Optional[str], users: list[str], answers: list[str]) -> list[dict]:
+    """system, user 1, answer 1, user 2, ...: the user turns and the answers interleaved."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for k, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        if k < len(answers):
+            messages.append({"role": "assistant", "content": answers[k]})
+    return messages
+
+
+def pre_query_ids(tokenizer, system: Optional[str] = None, users: Iterable[str] = (),
+                  answers: Iterable[str] = ()) -> list[int]:
+    """Token ids of the chat template (and a conversation so far, if given) up to where the next user message's
+    text begins."""
+    messages = chat_messages(system, list(users) + [SENTINEL], list(answers))
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     except Exception as e:              # a template that rejects a system message, or no template at all
@@ -68,21 +87,24 @@ class PromptFilter:
             else:
                 self.excluded_short.add(normalize(p))
 
-    def _drop(self, reason: str) -> bool:
+    def drop(self, reason: str) -> bool:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         return False
 
-    def keep(self, text: str, finished: bool) -> bool:
+    def keep(self, text: str, finished: bool, follow_up: bool = False) -> bool:
+        """A first turn must be new; a follow-up (`follow_up`) may repeat another conversation's."""
+        what = "follow-up " if follow_up else ""
         if not finished:
-            return self._drop("cut off at --max-new-tokens")
+            return self.drop(what + "cut off at --max-new-tokens")
         if len(text.strip()) < self.min_chars:
-            return self._drop("shorter than --min-chars")
+            return self.drop(what + "shorter than --min-chars")
         key = normalize(text)
-        if key in self.seen:
-            return self._drop("duplicate")
+        if not follow_up and key in self.seen:
+            return self.drop("duplicate")
         if key in self.excluded_short or not word_ngrams(text).isdisjoint(self.excluded):
-            return self._drop("overlaps an --exclude prompt")
-        self.seen.add(key)
+            return self.drop(what + "overlaps an --exclude prompt")
+        if not follow_up:
+            self.seen.add(key)
         return True
 
 
@@ -95,13 +117,58 @@ def read_partial(path: str) -> tuple[list[dict], int]:
     return [r for r in rows if r.get("id") != "-"], next_batch     # "-": a batch that kept nothing (still counted)
 
 
+@dataclass
+class FollowUps:
+    """How conversations grow past their first user turn (turns=1: they do not)."""
+    turns: int = 1                       # user turns per conversation, at most
+    answer_temperature: float = 0.7
+    answer_max_new_tokens: int = 512
+
+
+def add_follow_ups(engine, convs: list[dict], batch_seed: int, params, follow: FollowUps, flt: PromptFilter,
+                   system: Optional[str], batch_size: int) -> None:
+    """Grows each conversation {"turns": [user 1]} by an answer and a follow-up user turn, up to follow.turns user
+    turns; the first answer or follow-up that fails ends a conversation (it keeps the turns before it)."""
+    from dataclasses import replace
+    answers = [[] for _ in convs]
+    live = list(range(len(convs)))
+    for k in range(1, follow.turns):
+        step_seed = batch_seed + 500_009 * (2 * k - 1)      # the first turn keeps batch_seed: --turns 1 is unchanged
+        outs, _ = engine.generate([chat_messages(system, convs[i]["turns"], answers[i]) for i in live],
+                                  replace(params, temperature=follow.answer_temperature, top_p=1.0,
+                                          max_new_tokens=follow.answer_max_new_tokens, seed=step_seed),
+                                  batch_size=batch_size)
+        answered = []
+        for i, o in zip(live, outs):
+            if o.finish_reason in ("eos", "stop") and o.text.strip():
+                answers[i].append(o.text.strip())
+                answered.append(i)
+            else:
+                flt.drop("answer cut off or empty (ends the conversation)")
+        if not answered:
+            return
+        outs, _ = engine.generate([pre_query_ids(engine.tokenizer, system, convs[i]["turns"], answers[i])
+                                   for i in answered], replace(params, seed=step_seed + 500_009),
+                                  batch_size=batch_size)
+        live = []
+        for i, o in zip(answered, outs):
+            text = o.text.strip()
+            if flt.keep(text, o.finish_reason in ("eos", "stop"), follow_up=True):
+                convs[i]["turns"].append(text)
+                live.append(i)
+        if not live:
+            return
+
+
 def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
                max_new_tokens: int = 256, batch_size: int = 64, system: Optional[str] = None,
-               flt: Optional[PromptFilter] = None, progress: bool = True, max_barren_batches: int = 20) -> dict:
-    """Sample user prompts from the engine's target until n are kept in OUT; returns counts."""
+               flt: Optional[PromptFilter] = None, progress: bool = True, max_barren_batches: int = 20,
+               follow: Optional[FollowUps] = None) -> dict:
+    """Sample user prompts (conversations of up to follow.turns user turns) from the engine's target until n are
+    kept in OUT; returns counts."""
     from tqdm import tqdm
     from .verify import SamplingParams
-    flt = flt or PromptFilter()
+    flt, follow = flt or PromptFilter(), follow or FollowUps()
     prefix = pre_query_ids(engine.tokenizer, system)
     partial = out + ".partial"
     with exclusive_writer(partial):
@@ -115,8 +182,9 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
                 tqdm(total=n, initial=min(n, len(rows)), desc="synthesizing", unit=" prompt",
                      disable=not progress) as bar:
             while len(rows) < n:
+                batch_seed = seed * 1_000_003 + batch
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                        seed=seed * 1_000_003 + batch)
+                                        seed=batch_seed)
                 outs, _ = engine.generate([list(prefix)] * batch_size, params, batch_size=batch_size)
                 sampled += len(outs)
                 new = []
@@ -124,6 +192,8 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
                     text = o.text.strip()
                     if flt.keep(text, o.finish_reason in ("eos", "stop")) and len(rows) + len(new) < n:
                         new.append({"id": f"synth-s{seed}-b{batch}-{i}", "turns": [text], "batch": batch})
+                if follow.turns > 1 and new:
+                    add_follow_ups(engine, new, batch_seed, params, follow, flt, system, batch_size)
                 append_jsonl(f, new or [{"id": "-", "turns": [""], "batch": batch}])
                 rows += new
                 bar.update(len(new))
@@ -137,8 +207,10 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
     # the finished file: kept prompts only, in the order drawn
     write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:n]))
     os.remove(partial)
+    turns = [len(r["turns"]) for r in rows[:n]]
     return {"kept": min(n, len(rows)), "kept_before_this_run": kept_before, "sampled_this_run": sampled,
-            "batches": batch, "dropped_this_run": dict(flt.dropped)}
+            "batches": batch, "dropped_this_run": dict(flt.dropped),
+            "conversations_by_user_turns": {str(k): turns.count(k) for k in sorted(set(turns))}}
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -146,19 +218,23 @@ def run_settings(args) -> dict:
     return {"target": os.path.abspath(args.target) if os.path.exists(args.target) else args.target,
             "dtype": args.dtype, "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "system": args.system, "min_chars": args.min_chars,
-            "exclude": sorted(os.path.abspath(p) for p in args.exclude), "batch_size": args.batch_size}
+            "exclude": sorted(os.path.abspath(p) for p in args.exclude), "batch_size": args.batch_size,
+            **({"turns": args.turns, "answer_temperature": args.answer_temperature,      # only when used: files
+                "answer_max_new_tokens": args.answer_max_new_tokens} if args.turns > 1 else {})}  # of one turn resume
 
 
 def run(args) -> int:
     from .prompts import load_prompts
     from .regenerate import check_settings
-    for name in ("n", "batch_size", "max_new_tokens", "min_chars"):
+    for name in ("n", "batch_size", "max_new_tokens", "min_chars", "turns", "answer_max_new_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature <= 0:
         raise UserError(f"--temperature must be > 0 (greedy decoding writes one prompt), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.answer_temperature < 0:
+        raise UserError(f"--answer-temperature must be >= 0, got {args.answer_temperature}")
     if os.path.exists(args.out) and not args.overwrite:
         with open(args.out, encoding="utf-8") as f:
             have = sum(1 for line in f if line.strip())
@@ -178,7 +254,8 @@ def run(args) -> int:
     from .generate_cli import load_engine
     engine = load_engine(args.target, "none", SpecConfig(), args.dtype, args.device)
     counts = synthesize(engine, args.n, args.out, args.seed, args.temperature, args.top_p, args.max_new_tokens,
-                        args.batch_size, args.system, flt, not args.quiet)
+                        args.batch_size, args.system, flt, not args.quiet,
+                        follow=FollowUps(args.turns, args.answer_temperature, args.answer_max_new_tokens))
     print(json.dumps(counts, indent=2))
     print(f"wrote {args.out}")
     return 0
@@ -199,6 +276,11 @@ def add_cli(sub) -> None:
     p.add_argument("--exclude", nargs="*", default=[], metavar="FILE",
                    help="prompt files (eval sets) whose prompts must not reappear: a prompt sharing a 13-word run "
                         "with one of them is dropped")
+    p.add_argument("--turns", type=int, default=1,
+                   help="user turns per conversation, at most: the target answers, then writes the next user turn")
+    p.add_argument("--answer-temperature", type=float, default=0.7, help="--turns > 1: temperature of the answers")
+    p.add_argument("--answer-max-new-tokens", type=int, default=512,
+                   help="--turns > 1: an answer cut off here ends its conversation")
     p.add_argument("--batch-size", type=int, default=64, help="prompts drawn per batch")
     p.add_argument("--dtype", default="auto", help="auto (default): bfloat16 where this CPU or GPU computes in it")
     p.add_argument("--device", default="cpu")

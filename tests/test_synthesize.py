@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_eagle3.cli import UserError
-from sglang_eagle3.synthesize import PromptFilter, pre_query_ids, read_partial, synthesize
+from sglang_eagle3.synthesize import FollowUps, PromptFilter, pre_query_ids, read_partial, synthesize
 
 
 class FakeTokenizer:
@@ -114,6 +114,70 @@ def test_synthesize_resumes_after_a_kill_without_drawing_a_batch_twice(tmp_path)
     assert [r["id"] for r in rows] == [f"synth-s0-b{b}-{i}" for b in range(3) for i in range(4)]
 
 
+class ConversingEngine(FakeEngine):
+    """First turns "Question b-i: ...?"; answers (chat messages in) "Answer to <last user turn>", the answer of
+    question 1 cut off; follow-ups (token ids in) "Follow-up k of question i?", question 2's second one too short."""
+    SEED_STEP = 500_009
+
+    def generate(self, prompts, params, batch_size=None):
+        self.seeds.append(params.seed)
+        self.temperatures = getattr(self, "temperatures", []) + [params.temperature]
+        self.prompts += prompts
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p[0], int):                       # an answer to a conversation so far
+                last = p[-1]["content"]
+                cut = last.startswith("Question 1")
+                out.append(SimpleNamespace(text=f"Answer to {last}", finish_reason="length" if cut else "eos"))
+            else:
+                text = "".join(map(chr, p))
+                if text == "<s><user>":                        # a first turn
+                    out.append(SimpleNamespace(text=f"Question {i}: what is the weather like?", finish_reason="eos"))
+                    continue
+                q = text.split("<user>Question ")[1][0]
+                k = text.count("<assistant>")
+                reply = "Why?" if (q == "2" and k == 2) else f"Follow-up {k} of question {q}, please?"
+                out.append(SimpleNamespace(text=reply, finish_reason="eos"))
+        return out, None
+
+
+def test_follow_ups_grow_conversations_until_the_first_failure(tmp_path):
+    eng = ConversingEngine()
+    counts = synthesize(eng, 4, str(tmp_path / "c.jsonl"), seed=2, batch_size=4, progress=False,
+                        flt=PromptFilter(min_chars=10), follow=FollowUps(turns=3, answer_temperature=0.5))
+    rows = read_rows(tmp_path / "c.jsonl")
+    assert [r["turns"] for r in rows] == [
+        ["Question 0: what is the weather like?", "Follow-up 1 of question 0, please?",
+         "Follow-up 2 of question 0, please?"],
+        ["Question 1: what is the weather like?"],                                   # its answer was cut off
+        ["Question 2: what is the weather like?", "Follow-up 1 of question 2, please?"],  # "Why?" is too short
+        ["Question 3: what is the weather like?", "Follow-up 1 of question 3, please?",
+         "Follow-up 2 of question 3, please?"]]
+    assert counts["conversations_by_user_turns"] == {"1": 1, "2": 1, "3": 2}
+    assert counts["dropped_this_run"] == {"answer cut off or empty (ends the conversation)": 1,
+                                          "follow-up shorter than --min-chars": 1}
+    b, step = 2 * 1_000_003, ConversingEngine.SEED_STEP
+    assert eng.seeds == [b, b + step, b + 2 * step, b + 3 * step, b + 4 * step]    # first turns keep their seed
+    # a follow-up continues the template right after the answer, where the next user message begins
+    follow = "".join(map(chr, eng.prompts[4 + 4]))
+    assert follow == ("<s><user>Question 0: what is the weather like?</user><assistant>Answer to Question 0: what "
+                      "is the weather like?</assistant><user>")
+    # the answers were drawn with --answer-temperature, as chats
+    assert eng.prompts[4] == [{"role": "user", "content": "Question 0: what is the weather like?"}]
+    assert eng.temperatures == [1.0, 0.5, 1.0, 0.5, 1.0]
+
+
+def test_pre_query_ids_after_a_conversation_of_smollm2(smollm2_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = pre_query_ids(tok, None, ["Hi"], ["Hello! How can I help?"])
+    full = tok.apply_chat_template([{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello! How can I help?"},
+                                    {"role": "user", "content": "Tell me a joke."}], tokenize=True)
+    full = full if isinstance(full, list) else full["input_ids"]
+    assert full[:len(ids)] == ids and tok.decode(full[len(ids):]).startswith("Tell me a joke.")
+
+
 def test_cli(tmp_path, capsys):
     from conftest import save_tiny_model_folder
     from sglang_eagle3.cli import main
@@ -139,6 +203,15 @@ def test_cli(tmp_path, capsys):
     assert main([*common, "--n", "5", *args]) == 0                          # more, the same way: drawn after them
     assert "drawing 2 more" in capsys.readouterr().out and read_rows(out)[:3] == rows and len(read_rows(out)) == 5
     rows = read_rows(out)
+    # --turns 2: conversations of up to two user turns; its settings differ from a one-turn file's
+    out2 = tmp_path / "c.jsonl"
+    assert main(["synthesize-prompts", "--target", target, "--out", str(out2), "--quiet", "--n", "2", "--turns", "0"]) == 2
+    assert "--turns must be >= 1" in capsys.readouterr().err
+    rc = main(["synthesize-prompts", "--target", target, "--out", str(out2), "--quiet", "--n", "4", "--turns", "2",
+               "--answer-max-new-tokens", "4", "--max-new-tokens", "6", "--min-chars", "1", "--batch-size", "8"])
+    assert rc == 0, capsys.readouterr().err
+    assert all(1 <= len(r["turns"]) <= 2 for r in read_rows(out2))
+    assert json.load(open(str(out2) + ".settings.json"))["turns"] == 2
     # the rows load as prompts for regenerate
     from sglang_eagle3.regenerate import load_conversations
     convs = load_conversations([str(out)])
