@@ -65,8 +65,10 @@ SAMPLED_T ?= 0.7
 SAMPLED_PROMPT_CHARS ?= $(SHAREGPT_PROMPT_CHARS)
 SAMPLED_OUT = $(if $(filter-out 0,$(SAMPLED_ROWS)),$(RUN)/regen_sharegpt_t$(SAMPLED_T).jsonl)
 # SYNTH_ROWS: user prompts written by the target itself (`eagle3 synthesize-prompts`: its chat template up to where a
-# user's text begins, sampled; no 13-word run of an eval prompt), answered at SAMPLED_T (0: none)
+# user's text begins, sampled; no 13-word run of an eval prompt), answered at SAMPLED_T (0: none); SYNTH_TURNS: user
+# turns per conversation, at most (the target answers, then writes the next one)
 SYNTH_ROWS ?= 0
+SYNTH_TURNS ?= 1
 SYNTH_OUT = $(if $(filter-out 0,$(SYNTH_ROWS)),$(RUN)/regen_synth.jsonl)
 REGEN_OUT = $(RUN)/regen_sharegpt.jsonl $(RUN)/regen_alpaca.jsonl $(RUN)/regen_gsm8k.jsonl $(RUN)/regen_sharegpt1k.jsonl \
 	    $(SAMPLED_OUT) $(SYNTH_OUT)
@@ -107,7 +109,7 @@ regenerate: $(STAMP)  ## every training prompt answered by the embedded target i
 	$(if $(SAMPLED_OUT),$(REGEN) $(DATA)/train/sharegpt_prompts.jsonl --max-rows $(SAMPLED_ROWS) \
 	    --max-prompt-chars $(SAMPLED_PROMPT_CHARS) --temperature $(SAMPLED_T) --seed 0 --out $(SAMPLED_OUT))
 	$(if $(SYNTH_OUT),$(BIN)/eagle3 synthesize-prompts --target testbed --dtype $(TARGET_DTYPE) --n $(SYNTH_ROWS) --seed 0 \
-	    --exclude $(wildcard $(DATA)/eval/*.jsonl) --out $(RUN)/synth_prompts.jsonl)
+	    --turns $(SYNTH_TURNS) --exclude $(wildcard $(DATA)/eval/*.jsonl) --out $(RUN)/synth_prompts.jsonl)
 	$(if $(SYNTH_OUT),$(REGEN) $(RUN)/synth_prompts.jsonl --temperature $(SAMPLED_T) --seed 3 --out $(SYNTH_OUT))
 
 data: $(STAMP)  ## tokenize the regenerated answers (rows up to MAX_LEN tokens; LOOPS=cut|drop|keep) + draft vocab
