@@ -7,14 +7,31 @@ import os
 from contextlib import contextmanager
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a text file atomically: a temporary sibling, fsync, then rename (no torn file after a kill)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def atomic_write(path: str, write) -> str:
+    """Write a file atomically: `write(f)` fills a temporary sibling (binary), fsync, then rename, so a kill leaves
+    the old file or the new one, never a torn one (nor a stray temporary file after an error)."""
+    import tempfile
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        usual_permissions(tmp)                    # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text_atomic(path: str, text: str) -> str:
+    """A text file (UTF-8), atomically (atomic_write)."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def write_json(path: str, obj) -> None:

@@ -14,11 +14,10 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from typing import Any, Iterable, Optional, Sequence
 
-from ..fileio import usual_permissions
+from ..fileio import atomic_write, write_text_atomic
 
 
 # ---- numbers ---------------------------------------------------------------------------------
@@ -96,27 +95,6 @@ def parse_markdown_table(text: str) -> list[list[str]]:
 # ---- files -----------------------------------------------------------------------------------
 
 
-def _atomic_write(path: str, write) -> str:
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        usual_permissions(tmp)                    # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_text_atomic(path: str, text: str) -> str:
-    return _atomic_write(path, lambda f: f.write(text.encode()))
-
-
 def write_json_atomic(path: str, obj: Any) -> str:
     text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=_json_default) + "\n"
     return write_text_atomic(path, text)
@@ -161,7 +139,7 @@ def subplots(nrows: int = 1, ncols: int = 1, **kw):
 def save_figure(fig, path: str, dpi: int = 110) -> str:
     import matplotlib.pyplot as plt
     fig.tight_layout()
-    out = _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    out = atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
     plt.close(fig)
     return out
 
