@@ -71,7 +71,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
 
 

@@ -318,14 +318,13 @@ def create_app(state: ServerState):
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionRequest):
         prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            elif is_token_ids(prompt):
-                handler.check_token_ids(prompt)         # token ids go to the model as they are, not re-tokenized
-            else:
-                raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
-        elif not isinstance(prompt, str) or not prompt:
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
+            prompt = prompt[0]                          # a batch of one prompt: that prompt
+        if is_token_ids(prompt):
+            handler.check_token_ids(prompt)             # token ids go to the model as they are, not re-tokenized
+        elif isinstance(prompt, list):
+            raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
+        elif not prompt:
             raise APIError(400, "prompt must be a non-empty string", "prompt")
         return await run(http, body, prompt, chat=False)
 

@@ -145,6 +145,12 @@ def test_completions_take_token_ids_as_they_are(live, folders):
     body = r.json()
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["choices"][0]["text"] == tok.decode(ids) + expect
+    one = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [ids], "max_tokens": 8,
+                                                        "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert one.json()["choices"][0]["text"] == expect                        # a batch of one list: that list
+    for bad in ([ids, ids], [], [""]):
+        r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": bad, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [ids[0], 96], "max_tokens": 2})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt" and "prompt[1] = 96" in err["message"], r.text
