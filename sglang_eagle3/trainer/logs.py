@@ -6,6 +6,8 @@ import math
 import os
 from typing import Optional
 
+from ..fileio import write_text_atomic
+
 METRICS_FILE, PLOT_FILE = "metrics.jsonl", "training_curves.png"
 
 
@@ -30,10 +32,7 @@ class MetricsLogger:
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, METRICS_FILE)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import ConfigError, Eagle3Config
 from ..draft import Eagle3DraftModel
+from ..fileio import write_text_atomic
 from ..ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
 from . import backend as B
 from .data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices
@@ -383,10 +384,7 @@ class Trainer:
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            latest = os.path.join(self.ckpt_dir, LATEST)
-            with open(latest + ".tmp", "w") as f:
-                f.write(name + "\n")
-            os.replace(latest + ".tmp", latest)
+            write_text_atomic(os.path.join(self.ckpt_dir, LATEST), name + "\n")
             keep_every = self.cfg.keep_every
             older = [d for d in existing_checkpoints(self.cfg.out) if d != name        # never the one just written
                      and not (keep_every and int(d.split("_")[1]) % keep_every == 0)]
