@@ -73,10 +73,16 @@ def eos_ids_of(target) -> set[int]:
     return ids
 
 
+def is_token_ids(prompt) -> bool:
+    """A non-empty list of ints (bools excluded): a prompt given as token ids."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompt)
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Text as is (with the tokenizer's special tokens), chat messages through the chat template, token ids as
     they are."""
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if is_token_ids(prompt):
         return list(prompt)
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

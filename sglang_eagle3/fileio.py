@@ -4,13 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from contextlib import contextmanager
 
 
 def atomic_write(path: str, write) -> str:
     """Write a file atomically: `write(f)` fills a temporary sibling (binary), fsync, then rename, so a kill leaves
     the old file or the new one, never a torn one (nor a stray temporary file after an error)."""
-    import tempfile
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)

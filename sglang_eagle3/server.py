@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import encode_prompt
+from .engine import encode_prompt, is_token_ids
 from .openai_protocol import (APIError, ChatRequest, CompletionRequest, chat_logprobs, chat_prompt, choice_params,
                               completion_logprobs, finish_reason, reported_logprobs, sampling_params, spec_stats, usage)
 from .scheduler import QueueFull, Request, RequestError, Scheduler
@@ -87,11 +87,6 @@ class Metrics:
                 "# TYPE eagle3_max_running_requests gauge", f"eagle3_max_running_requests {load['max_running']}",
             ]
         return "\n".join(lines) + "\n"
-
-
-def is_token_ids(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompt)
 
 
 class ServerState:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from .cli import UserError
@@ -34,6 +34,7 @@ from .fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
 NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
+FOLLOW_UP_SEED_STEP = 500_009            # --turns: answer k and follow-up k draw at batch seed + (2k-1) or 2k x this
 
 
 def chat_messages(system: Optional[str], users: list[str], answers: list[str]) -> list[dict]:
@@ -129,11 +130,10 @@ def add_follow_ups(engine, convs: list[dict], batch_seed: int, params, follow: F
                    system: Optional[str], batch_size: int) -> None:
     """Grows each conversation {"turns": [user 1]} by an answer and a follow-up user turn, up to follow.turns user
     turns; the first answer or follow-up that fails ends a conversation (it keeps the turns before it)."""
-    from dataclasses import replace
     answers = [[] for _ in convs]
     live = list(range(len(convs)))
     for k in range(1, follow.turns):
-        step_seed = batch_seed + 500_009 * (2 * k - 1)      # the first turn keeps batch_seed: --turns 1 is unchanged
+        step_seed = batch_seed + FOLLOW_UP_SEED_STEP * (2 * k - 1)   # turn 1 keeps batch_seed: --turns 1 is unchanged
         outs, _ = engine.generate([chat_messages(system, convs[i]["turns"], answers[i]) for i in live],
                                   replace(params, temperature=follow.answer_temperature, top_p=1.0,
                                           max_new_tokens=follow.answer_max_new_tokens, seed=step_seed),
@@ -148,7 +148,7 @@ def add_follow_ups(engine, convs: list[dict], batch_seed: int, params, follow: F
         if not answered:
             return
         outs, _ = engine.generate([pre_query_ids(engine.tokenizer, system, convs[i]["turns"], answers[i])
-                                   for i in answered], replace(params, seed=step_seed + 500_009),
+                                   for i in answered], replace(params, seed=step_seed + FOLLOW_UP_SEED_STEP),
                                   batch_size=batch_size)
         live = []
         for i, o in zip(answered, outs):
