@@ -77,8 +77,11 @@ def test_acceptance_end_to_end(env, tmp_path, capsys):
         assert s["speedup_total"] == pytest.approx(s["tokens_per_s_spec"] / s["tokens_per_s_vanilla"])
         assert 0 <= s["draft_vocab_coverage"] <= 1
         assert s["draft_vocab_coverage"] == sum(p["in_draft_vocab"] for p in s["per_prompt"]) / s["tokens_vanilla"]
+        assert all(len(p["tau_by_turn"]) == turns for p in s["per_prompt"])
+    assert list(res["sets"]["mt_bench"]["tau_by_turn"]) == ["1", "2"] and "tau_by_turn" not in res["sets"]["gsm8k"]
     assert res["average"]["tau"] == pytest.approx((res["sets"]["mt_bench"]["tau"] + res["sets"]["gsm8k"]["tau"]) / 2)
     md = (tmp_path / "acc.md").read_text()
+    assert "τ by turn: MT-bench turn 1 " in md and "GSM8K turn" not in md
     rows = report.parse_markdown_table(md)
     assert rows[0][:3] == ["Set", "Speed-up", "τ"] and [r[0] for r in rows[1:]] == ["MT-bench", "GSM8K", "Average"]
     assert rows[-1][2] == f"{res['average']['tau']:.2f}" and rows[1][1].endswith("x")
@@ -104,6 +107,36 @@ def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
     assert summarize_set([row], greedy=True)["draft_vocab_coverage"] == 0.5
     assert summarize_set([bench_prompt(Fake([1]), Fake([1]), ["a"], lambda k: None, 0)],
                          greedy=True)["draft_vocab_coverage"] is None
+
+
+def test_acceptance_reports_tau_per_turn():
+    """MT-bench asks two turns: τ of each turn pools that turn's steps over the prompts that have it."""
+    from types import SimpleNamespace
+    from sglang_eagle3.bench.acceptance import bench_prompt, summarize_set
+    from sglang_eagle3.bench.acceptance_report import markdown_report
+
+    class Turns:                 # turn k (counted by calls) accepts lengths[k] per step, after the prefill token
+        def __init__(self, lengths):
+            self.lengths, self.calls = lengths, 0
+
+        def generate(self, convs, params, batch_size):
+            steps = self.lengths[self.calls % len(self.lengths)]
+            self.calls += 1
+            ids = list(range(1 + sum(steps)))
+            return [SimpleNamespace(text="x", token_ids=ids, accept_lengths=[1] + steps)], None
+
+    vanilla = Turns([[1] * 4, [1] * 6])
+    two = bench_prompt(vanilla, Turns([[3, 1], [1, 1, 2, 1]]), ["a", "b"], lambda k: None)
+    one = bench_prompt(Turns([[1] * 5]), Turns([[2, 3]]), ["a"], lambda k: None)
+    assert two["tau_by_turn"] == [2.0, 1.25] and one["tau_by_turn"] == [2.5]
+    s = summarize_set([two, one], greedy=False, max_accept=3)
+    assert s["tau_by_turn"] == {"1": (3 + 1 + 2 + 3) / 4, "2": 1.25}          # turn 1 pooled over both prompts
+    assert s["tau"] == pytest.approx((4 + 5 + 5) / 8)
+    assert "tau_by_turn" not in summarize_set([one], greedy=False)           # single-turn sets: no split
+    result = {"config": {"temperature": 1, "target": "t", "draft": "d", "dtype": "float32", "max_new_tokens": 8,
+                         "spec": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}},
+              "sets": {"mt_bench": s}, "average": s}
+    assert "τ by turn: MT-bench turn 1 2.25, turn 2 1.25." in markdown_report(result)
 
 
 def test_acceptance_baseline_draft_side_by_side(env, tmp_path, capsys):

@@ -15,7 +15,8 @@ import argparse
 import os
 
 from . import report
-from .acceptance import FORMAT, PAPER_NAMES
+from .acceptance import FORMAT
+from .acceptance_report import PAPER_NAMES
 
 SAME_SETTINGS = ("target", "dtype", "temperature", "seed", "max_new_tokens", "spec", "ignore_eos")
 

@@ -17,20 +17,16 @@ same spell of the machine, and their tokens/s ratio per prompt needs no second b
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from collections import Counter
 
 from . import report, run_cli
+from .acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
 DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
-PAPER_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
-               "sum": "CNN/DM"}
-TAU_DEFINITION = ("tokens emitted per draft-and-verify cycle (accepted drafts + 1 bonus token), pooled over all "
-                  "decoding steps of the set; the prefill token is not counted as a cycle")
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -64,7 +60,7 @@ def turn_seed(seed: int, set_index: int, prompt_index: int, turn: int) -> int:
 
 def run_conversation(engine, turns: list[str], make_params) -> dict:
     """Ask each user turn after the run's own previous answers; time each generate call (wall clock)."""
-    messages, texts, ids, steps = [], [], [], []
+    messages, texts, ids, steps_by_turn = [], [], [], []
     wall = 0.0
     for k, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
@@ -75,9 +71,9 @@ def run_conversation(engine, turns: list[str], make_params) -> dict:
         messages.append({"role": "assistant", "content": o.text})
         texts.append(o.text)
         ids.append(o.token_ids)
-        steps += o.accept_lengths[1:]           # [0] is the prefill token
+        steps_by_turn.append(list(o.accept_lengths[1:]))     # [0] is the prefill token
     return {"time_s": wall, "tokens": sum(len(t) for t in ids), "token_ids": ids, "texts": texts,
-            "accept_lengths": steps}
+            "accept_lengths": [a for steps in steps_by_turn for a in steps], "accept_lengths_by_turn": steps_by_turn}
 
 
 def bench_prompt(van_engine, spec_engine, turns, make_params, rotate: int = 0, in_draft_vocab=None,
@@ -97,12 +93,13 @@ def bench_prompt(van_engine, spec_engine, turns, make_params, rotate: int = 0, i
            **_spec_fields(v, s), "spec_first": order.index("spec") < order.index("vanilla"),
            "in_draft_vocab": None if in_draft_vocab is None else
            sum(int(in_draft_vocab[t].sum()) for t in v["token_ids"] if len(t)),
-           "_accept_lengths": s["accept_lengths"]}
+           "_accept_lengths": s["accept_lengths"], "_accept_lengths_by_turn": s["accept_lengths_by_turn"]}
     if baseline_engine is not None:
         b = runs["baseline"]
         row["order"] = order
         row["baseline"] = _spec_fields(v, b)
         row["_baseline_accept_lengths"] = b["accept_lengths"]
+        row["_baseline_accept_lengths_by_turn"] = b["accept_lengths_by_turn"]
     return row
 
 
@@ -112,13 +109,15 @@ def _spec_fields(v: dict, s: dict) -> dict:
     return {"tokens_spec": s["tokens"], "time_spec_s": s["time_s"],
             "speedup": report.safe_div(tps_s, tps_v) if tps_v and tps_s else None,
             "decode_steps": len(s["accept_lengths"]), "accepted_tokens": sum(s["accept_lengths"]),
+            "tau_by_turn": [report.safe_div(sum(t), len(t)) for t in s["accept_lengths_by_turn"]],
             "identical": v["token_ids"] == s["token_ids"]}
 
 
 def baseline_rows(rows: list[dict]) -> list[dict]:
     """The rows as the baseline draft's: its speculative numbers in place of the main draft's."""
     return [{**{k: v for k, v in r.items() if k not in ("baseline", "order")}, **r["baseline"],
-             "_accept_lengths": r["_baseline_accept_lengths"]} for r in rows]
+             "_accept_lengths": r["_baseline_accept_lengths"],
+             "_accept_lengths_by_turn": r["_baseline_accept_lengths_by_turn"]} for r in rows]
 
 
 def summarize_baseline(rows: list[dict], greedy: bool, max_accept: int) -> dict:
@@ -149,10 +148,22 @@ def summarize_set(rows: list[dict], greedy: bool, max_accept: int = 1) -> dict:
            "draft_vocab_coverage": report.safe_div(sum(r["in_draft_vocab"] for r in rows), tok_v)
            if all(r.get("in_draft_vocab") is not None for r in rows) else None,
            "accept_histogram": {str(k): hist[k] for k in range(1, max(max(hist, default=1), max_accept) + 1)}}
+    if max((r["turns"] for r in rows), default=1) > 1:
+        out["tau_by_turn"] = tau_by_turn(rows)
     if greedy:
         out["identical_to_vanilla"] = sum(r["identical"] for r in rows)
     out["per_prompt"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     return out
+
+
+def tau_by_turn(rows: list[dict]) -> dict:
+    """{"1": tau of the first turns, "2": of the second, ...}: steps pooled over the prompts that have that turn
+    (MT-bench's second question comes after the run's own first answer, a longer context and a new request)."""
+    by_turn: dict[int, list[int]] = {}
+    for r in rows:
+        for k, steps in enumerate(r["_accept_lengths_by_turn"], start=1):
+            by_turn.setdefault(k, []).extend(steps)
+    return {str(k): report.safe_div(sum(v), len(v)) for k, v in sorted(by_turn.items())}
 
 
 def average_row(sets: dict) -> dict:
@@ -166,95 +177,6 @@ def average_row(sets: dict) -> dict:
     if any("draft_over_baseline_median" in s for s in sets.values()):      # a baseline draft's sets
         out["draft_over_baseline_median"] = mean("draft_over_baseline_median")
     return out
-
-
-# ---- outputs ---------------------------------------------------------------------------------
-
-
-TABLE_HEADERS = ["Set", "Speed-up", "τ", "n", "tokens", "vanilla tok/s", "EAGLE-3 tok/s", "speed-up (totals)",
-                 "in draft vocab"]
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def table_rows(result: dict) -> list[list]:
-    rows = []
-    for name, s in list(result["sets"].items()) + [("Average", result["average"])]:
-        rows.append([PAPER_NAMES.get(name, name), report.fmt_speedup(s["speedup_median"]), s["tau"],
-                     s["n_prompts"], s["tokens_spec"], s["tokens_per_s_vanilla"], s["tokens_per_s_spec"],
-                     report.fmt_speedup(s["speedup_total"]), _pct(s.get("draft_vocab_coverage"))])
-    return rows
-
-
-def caption(result: dict) -> str:
-    c = result["config"]
-    sp = c["spec"]
-    top_p = f", top_p={c['top_p']:g}" if c.get("top_p", 1) < 1 else ""
-    return (f"Temperature={c['temperature']:g}{top_p}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
-            f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}; "
-            f"max_new_tokens={c['max_new_tokens']}; speed-up = median over prompts of speculative/vanilla tokens/s "
-            f"(same engine, alternated runs); τ = {TAU_DEFINITION}; in draft vocab = share of the vanilla run's tokens "
-            f"the draft vocabulary holds (no draft token is accepted on the others).")
-
-
-COMPARE_HEADERS = ["Set", "τ draft", "τ baseline", "speed-up draft", "speed-up baseline",
-                   "draft / baseline tokens/s"]
-
-
-def compare_rows(result: dict) -> list[list]:
-    base = result["baseline"]
-    rows = []
-    for name, s in result["sets"].items():
-        b = base["sets"][name]
-        rows.append([PAPER_NAMES.get(name, name), s["tau"], b["tau"], report.fmt_speedup(s["speedup_median"]),
-                     report.fmt_speedup(b["speedup_median"]), report.fmt_speedup(b["draft_over_baseline_median"])])
-    a, b = result["average"], base["average"]
-    rows.append(["Average", a["tau"], b["tau"], report.fmt_speedup(a["speedup_median"]),
-                 report.fmt_speedup(b["speedup_median"]), report.fmt_speedup(b["draft_over_baseline_median"])])
-    return rows
-
-
-def identical_counts(sets: dict) -> str:
-    """'mt_bench 10/10, gsm8k 9/10': greedy outputs identical to vanilla, per set."""
-    return ", ".join(f"{k} {s['identical_to_vanilla']}/{s['n_prompts']}" for k, s in sets.items())
-
-
-def markdown_report(result: dict) -> str:
-    lines = [caption(result), "", report.format_table(TABLE_HEADERS, table_rows(result))]
-    greedy = result["config"]["temperature"] == 0
-    if greedy:
-        lines += ["", f"Greedy outputs identical to vanilla: {identical_counts(result['sets'])}."]
-    if result.get("baseline"):
-        base = result["baseline"]
-        lines += ["", f"Side by side with the baseline draft {base['draft']} (decoded on every prompt in the same "
-                      "run, beside the same vanilla run, the order of the three rotated; the last column is the "
-                      "median over prompts of the two drafts' tokens/s ratio):", "",
-                  report.format_table(COMPARE_HEADERS, compare_rows(result))]
-        if greedy:
-            lines += ["", f"Baseline greedy outputs identical to vanilla: {identical_counts(base['sets'])}."]
-    return "\n".join(lines) + "\n"
-
-
-def plot_histograms(result: dict, path: str) -> str:
-    sets = result["sets"]
-    ncols = min(3, len(sets))
-    nrows = math.ceil(len(sets) / ncols)
-    fig, axes = report.subplots(nrows, ncols)
-    for ax, (name, s) in zip(axes, sets.items()):
-        ks = [int(k) for k in s["accept_histogram"]]
-        total = max(1, sum(s["accept_histogram"].values()))
-        ax.bar(ks, [s["accept_histogram"][str(k)] / total for k in ks], width=0.7, color="tab:blue")
-        ax.set_xlim(0.4, max(ks) + 0.6)
-        tau = report.fmt_num(s["tau"])
-        ax.set_title(f"{PAPER_NAMES.get(name, name)}  (τ={tau}, {report.fmt_speedup(s['speedup_median'])})")
-        ax.set_xlabel("tokens per verify step")
-        ax.set_ylabel("fraction of steps")
-        ax.set_xticks(ks)
-    for ax in axes[len(sets):]:
-        ax.axis("off")
-    return report.save_figure(fig, path)
 
 
 # ---- driver ----------------------------------------------------------------------------------
