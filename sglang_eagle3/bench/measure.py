@@ -5,7 +5,7 @@ import os
 import sys
 
 from . import report
-from .tune import tree_grid, tree_key
+from .tune_grid import tree_grid, tree_key
 
 
 def _cycled(prompts: list, bs: int, n: int) -> list:
