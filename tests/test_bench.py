@@ -15,9 +15,8 @@ import torch
 from conftest import JSONHandler, save_tiny_model_folder
 from sglang_eagle3.bench import report
 from sglang_eagle3.bench.acceptance import main as acceptance_main
-from sglang_eagle3.bench.tune import load_profile
+from sglang_eagle3.bench.tune import load_profile, main as tune_main
 from sglang_eagle3.bench.tune_grid import ProfileError, adaptive_config, select_best, tree_grid, tree_key
-from sglang_eagle3.bench.tune import main as tune_main
 from sglang_eagle3.cli import main as eagle3_main
 from sglang_eagle3.config import SpecConfig
 

@@ -6,7 +6,8 @@ hits both. Prompts are chats (the target's chat template). MT-bench's second tur
 run's OWN first answer, so the vanilla and speculative conversations can differ at temperature 1.
 
 tau (mean acceptance length): tokens emitted per draft-and-verify cycle, bonus token included,
-pooled over all decoding steps of the set; the token sampled at prefill is not a cycle and is left out.
+pooled over all decoding steps of the set; the token sampled at prefill is not a cycle and is left out. Sets with
+more than one turn (MT-bench) also give τ per turn, pooled over the prompts that have that turn.
 Speed-up: per prompt (speculative tokens/s over vanilla tokens/s, median over prompts) and the ratio of
 the set's total tokens/s.
 
@@ -93,12 +94,11 @@ def bench_prompt(van_engine, spec_engine, turns, make_params, rotate: int = 0, i
            **_spec_fields(v, s), "spec_first": order.index("spec") < order.index("vanilla"),
            "in_draft_vocab": None if in_draft_vocab is None else
            sum(int(in_draft_vocab[t].sum()) for t in v["token_ids"] if len(t)),
-           "_accept_lengths": s["accept_lengths"], "_accept_lengths_by_turn": s["accept_lengths_by_turn"]}
+           "_accept_lengths_by_turn": s["accept_lengths_by_turn"]}
     if baseline_engine is not None:
         b = runs["baseline"]
         row["order"] = order
         row["baseline"] = _spec_fields(v, b)
-        row["_baseline_accept_lengths"] = b["accept_lengths"]
         row["_baseline_accept_lengths_by_turn"] = b["accept_lengths_by_turn"]
     return row
 
@@ -116,7 +116,6 @@ def _spec_fields(v: dict, s: dict) -> dict:
 def baseline_rows(rows: list[dict]) -> list[dict]:
     """The rows as the baseline draft's: its speculative numbers in place of the main draft's."""
     return [{**{k: v for k, v in r.items() if k not in ("baseline", "order")}, **r["baseline"],
-             "_accept_lengths": r["_baseline_accept_lengths"],
              "_accept_lengths_by_turn": r["_baseline_accept_lengths_by_turn"]} for r in rows]
 
 
@@ -132,7 +131,7 @@ def summarize_baseline(rows: list[dict], greedy: bool, max_accept: int) -> dict:
 
 def summarize_set(rows: list[dict], greedy: bool, max_accept: int = 1) -> dict:
     """Set totals; the histogram has a bin for every possible step length 1..max_accept (num_steps + 1)."""
-    hist = Counter(a for r in rows for a in r["_accept_lengths"])
+    hist = Counter(a for r in rows for steps in r["_accept_lengths_by_turn"] for a in steps)
     steps, acc = sum(r["decode_steps"] for r in rows), sum(r["accepted_tokens"] for r in rows)
     tok_v, tok_s = sum(r["tokens_vanilla"] for r in rows), sum(r["tokens_spec"] for r in rows)
     t_v, t_s = sum(r["time_vanilla_s"] for r in rows), sum(r["time_spec_s"] for r in rows)
