@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sglang_eagle3 import hidden_dump as hd
-from sglang_eagle3.hidden_dump import DumpError, HiddenStateDump, dump_hidden_states
+from sglang_eagle3.dump_reader import DumpError, HiddenStateDump
+from sglang_eagle3.hidden_dump import dump_hidden_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, LAYERS = 64, 32, 8

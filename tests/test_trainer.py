@@ -20,7 +20,8 @@ from sglang_eagle3.hidden_dump import dump_hidden_states
 from sglang_eagle3.trainer import backend as B
 from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, pack, split_indices
 from sglang_eagle3.trainer.logs import read_metrics
-from sglang_eagle3.trainer.loop import TrainConfig, Trainer, compute_dtype
+from sglang_eagle3.trainer.loop import Trainer
+from sglang_eagle3.trainer.run_config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train", "train_eagle3.py")
@@ -92,7 +93,7 @@ def reference(setup):
 @needs_deepspeed
 def test_zero2_two_ranks_stay_in_sync_and_learn(setup, reference):
     s = json.load(open(reference / "train_summary.json"))
-    auto = str(compute_dtype("auto", torch.device("cpu"))).replace("torch.", "")   # bf16 where the CPU has it
+    auto = str(B.compute_dtype("auto", torch.device("cpu"))).replace("torch.", "")   # bf16 where the CPU has it
     assert (s["backend"], s["zero_stage"], s["world_size"], s["dtype"]) == ("deepspeed", 2, 2, auto)
     assert s["param_checksums"][0] == s["param_checksums"][1]          # replicas identical after 40 steps
     recs = read_metrics(str(reference / "metrics.jsonl"))

@@ -72,7 +72,7 @@ def run(argv=None) -> int:
     from ..target import TargetModel
     from ..trainer.export import export_checkpoint
     from ..trainer.logs import read_metrics
-    from ..trainer.loop import STATE_FILE
+    from ..trainer.run_folder import STATE_FILE
     from .acceptance import resolve_sets
     a = build_parser().parse_args(argv)
     spec, _, _ = resolve_spec(a, None)                    # one tree for every checkpoint (flags, else 5/4/16)

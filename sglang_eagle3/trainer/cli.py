@@ -165,7 +165,7 @@ def add_train_args(p) -> None:
 
 
 def train_config(args):
-    from .loop import TrainConfig
+    from .run_config import TrainConfig
     for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -200,8 +200,8 @@ def train_config(args):
 
 def check_inputs(cfg) -> None:
     """Cheap checks before any worker starts: one line naming the bad input instead of a worker traceback."""
-    from ..hidden_dump import MANIFEST
-    from .loop import check_run_folder
+    from ..dump_reader import MANIFEST
+    from .run_folder import check_run_folder
     if not os.path.exists(cfg.data):
         raise UserError(f"--data {cfg.data}: no such file or folder (make data / make dump first?)")
     if os.path.isdir(cfg.data) and not (os.path.isfile(os.path.join(cfg.data, MANIFEST)) or

@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..hidden_dump import MANIFEST, HiddenStateDump, load_token_rows
+from ..dump_reader import MANIFEST, HiddenStateDump
+from ..hidden_dump import load_token_rows
 
 
 class TokenRows:

@@ -3,6 +3,7 @@ weights, the target's output head (`--head-init target`), or an earlier draft's 
 output rows move to a new vocabulary when one is asked for."""
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -98,6 +99,45 @@ def load_init(draft: Eagle3DraftModel, init: Eagle3DraftModel, lm_head: nn.Modul
     """--init-from's weights into `draft`; with a new vocabulary its output rows are remapped to it."""
     draft.load_state_dict(remapped_state(init, draft, lm_head.weight.detach().cpu()) if new_vocab else
                           init.state_dict())
+
+
+def build_draft(cfg, hf_config, aux_ids: list[int], embed: nn.Module, lm_head: nn.Module, data, train_idx,
+                rank: int, target=None) -> Eagle3DraftModel:
+    """The draft a run starts from (fp32, on the CPU): its config (for the target, or --draft-config's shape, with
+    the run's EAGLE-3.1 flags), its vocabulary, then its weights: seeded random, --head-init target, or
+    --init-from's; the target's embedding attached (frozen)."""
+    tc = getattr(hf_config, "text_config", hf_config)
+    if cfg.features == "top":                  # one feature: the last hidden state (after the final norm)
+        aux_ids = [tc.num_hidden_layers - 1]
+    init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
+    new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
+    if init is None or new_vocab:
+        d2t_ids = draft_vocab_ids(cfg, data, train_idx, tc.vocab_size, rank)
+    else:
+        d2t_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
+    if cfg.draft_config:
+        path = cfg.draft_config
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            dc = Eagle3Config.from_dict({**json.load(f), "draft_vocab_size": len(d2t_ids), "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}, where=path)
+    else:
+        dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
+    dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
+    if init is not None:
+        check_init_compatible(init, dc, cfg.init_from, new_vocab)
+    torch.manual_seed(cfg.seed)                # identical initial weights on every rank
+    draft = Eagle3DraftModel(dc)
+    draft.set_vocab_mapping(d2t_ids)
+    if init is not None:
+        load_init(draft, init, lm_head, new_vocab)
+    if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
+        draft.check_target(hf_config, aux_ids)
+    if init is None and cfg.head_init == "target":
+        init_head_from_target(draft, lm_head, d2t_ids, cfg.target, target)
+    draft.set_embedding(embed)
+    return draft
 
 
 def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from ..config import Eagle3Config
 from ..draft import CheckpointError, Eagle3DraftModel
-from .loop import STATE_FILE
+from .run_folder import STATE_FILE
 
 
 def checkpoint_state(ckpt_dir: str) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 training loop: setup, TTT steps, evaluation, atomic checkpoints, resume, export.
+"""The EAGLE-3 training loop: setup, TTT steps, evaluation, checkpoints and resume (run_folder.py), export.
 
 Launch on GPUs with `deepspeed --num_gpus N train/train_eagle3.py ...` (ZeRO 1/2/3, bf16), on CPU with
 `torchrun --nproc_per_node N train/train_eagle3.py ...` (gloo, fp32), or as one plain process.
@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Optional
 
 import numpy as np
@@ -19,81 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, Eagle3Config
+from ..config import ConfigError
 from ..draft import Eagle3DraftModel
-from ..fileio import write_text_atomic
 from ..ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
 from . import backend as B
+from .backend import compute_dtype, init_distributed, pick_device
 from .data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices
-from .draft_init import check_init_compatible, draft_vocab_ids, init_head_from_target, load_init
+from .draft_init import build_draft
 from .logs import PLOT_FILE, MetricsLogger, plot_curves
+from .run_config import TrainConfig
+from .run_folder import (EXPORT_DIR, SUMMARY_FILE, check_resumable, check_run_folder, clear_run_folder,
+                         latest_checkpoint, step_rows, write_checkpoint)
 from .target_head import load_target_head
 
-STATE_FILE, LATEST, EXPORT_DIR, SUMMARY_FILE = "trainer_state.json", "latest", "draft", "train_summary.json"
-# what a resumed run must share with its checkpoint: the same rows per step in the same order, the same loss
-# (rows_per_step and per_row_loss, not how a step is split: --micro-batch-size R --pack-rows == --grad-accum R)
-RESUME_KEYS = ("world_size", "rows_per_step", "per_row_loss", "seed", "data_start_step", "total_steps", "backend",
-               "eval_rows", "data")
-
-
-def step_rows(state: dict) -> dict:
-    """rows_per_step and per_row_loss (each row's loss averaged over its own positions: one row per forward, or
-    packed rows) of a trainer state; older states have only micro_batch_size and grad_accum."""
-    micro = state.get("micro_batch_size", 1)
-    return {"rows_per_step": state.get("world_size", 1) * micro * state.get("grad_accum", 1),
-            "per_row_loss": micro == 1 or bool(state.get("pack_rows"))}
-
-
-@dataclass
-class TrainConfig:
-    target: str
-    data: str
-    out: str
-    eval_data: Optional[str] = None
-    eval_rows: int = 64                      # held out of --data when --eval-data is not given
-    draft_vocab: Optional[str] = None        # draft_vocab.safetensors (or its dir)
-    draft_vocab_size: Optional[int] = None   # build the draft vocab from the training rows
-    draft_config: Optional[str] = None       # a draft config.json to start from (shape only)
-    init_from: Optional[str] = None          # a trained draft folder: start from its weights (fresh optimizer)
-    fc_norm: bool = False                    # EAGLE-3.1 per-feature RMSNorm before fc
-    norm_output: bool = False                # EAGLE-3.1: later TTT steps read the normed output
-    loss_mask_offset: int = 1                # 1: ours (t+k+1); 0: the authors' / SpecForge's (t+k)
-    grow_chains: str = "auto"                # TTT steps >= 1 grow: scored (only chains a later step scores) | all | auto
-    aux_layer_ids: Optional[list] = None
-    features: str = "fused"
-    feature_loss_weight: float = 0.0
-    head_init: str = "random"                # random (the authors', SpecForge) | target: lm_head rows + final norm
-    ttt_length: int = 7
-    step_decay: float = 0.8
-    max_length: int = 2048
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    pack_rows: bool = False                  # a micro-batch's rows end to end in one sequence (no padding)
-    epochs: float = 1.0
-    max_steps: Optional[int] = None
-    lr: float = 5e-5
-    warmup_ratio: float = 0.02
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    backend: str = "auto"                    # auto | deepspeed | ddp
-    zero_stage: Optional[int] = None
-    deepspeed_config: Optional[str] = None
-    dtype: str = "auto"                      # auto: bf16 compute where the hardware has it (GPU, AVX-512 BF16 CPU)
-    device: str = "auto"
-    eval_every: int = 500
-    save_every: int = 500
-    log_every: int = 10
-    keep_checkpoints: int = 2
-    keep_every: int = 0                      # checkpoints at multiples of this step are never pruned (curves)
-    resume: bool = False
-    overwrite: bool = False                  # start again in a run folder that holds checkpoints
-    seed: int = 0
-    data_start_step: int = 0                 # read the data order from this step on (continue another run's data)
-    verify_dumps: str = "sha256"
-    tensorboard: bool = True
-    progress: bool = True
-    extra: dict = field(default_factory=dict)
+__all__ = ["TrainConfig", "Trainer", "TTTModule"]
 
 
 class TTTModule(nn.Module):
@@ -110,69 +48,6 @@ class TTTModule(nn.Module):
 
 
 _log = B.log
-
-
-def init_distributed(use_deepspeed: bool, device: torch.device) -> None:
-    if B.is_dist():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if use_deepspeed:
-        import deepspeed
-        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(k, v)
-        if "MASTER_PORT" not in os.environ:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        dist.init_process_group(backend)
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bfloat16 (autocast compute, fp32 master weights and optimizer) or float32. auto: bf16 on GPUs and on
-    CPUs with AVX-512 BF16 / AMX (a TTT step measured ~1.6x faster than fp32 on 2 such cores), else fp32."""
-    if name == "auto":
-        from ..kernels import cpu_has_bf16
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def pick_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", EXPORT_DIR, SUMMARY_FILE, PLOT_FILE,
-               "draft_vocab.safetensors", "draft_vocab.json")
-
-
-def existing_checkpoints(out: str) -> list[str]:
-    ckpt = os.path.join(out, "checkpoints")
-    return sorted(d for d in os.listdir(ckpt) if d.startswith("step_")) if os.path.isdir(ckpt) else []
-
-
-def check_run_folder(cfg: "TrainConfig") -> None:
-    """A run folder holding checkpoints is continued (--resume) or replaced (--overwrite), never trained over."""
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    found = existing_checkpoints(cfg.out)
-    if found and not (cfg.resume or cfg.overwrite):
-        raise ConfigError(f"--out {cfg.out} already holds checkpoints of a run (newest {found[-1]}); pass --resume "
-                          "to continue it, or --overwrite to delete them and start again")
-
-
-def clear_run_folder(out: str) -> None:
-    for name in RUN_OUTPUTS:
-        path = os.path.join(out, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
 
 
 class Trainer:
@@ -243,38 +118,9 @@ class Trainer:
                                   f"{tc.vocab_size}")
             if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != aux_ids and cfg.features == "fused":
                 raise ConfigError(f"--aux-layer-ids {cfg.aux_layer_ids} but the dump holds layers {aux_ids}")
-        tc = getattr(hf_config, "text_config", hf_config)
-        if cfg.features == "top":                  # one feature: the last hidden state (after the final norm)
-            aux_ids = [tc.num_hidden_layers - 1]
-        init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
-        new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
-        if init is None or new_vocab:
-            d2t_ids = draft_vocab_ids(cfg, self.data, self.train_idx, tc.vocab_size, self.rank)
-        else:
-            d2t_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
-        if cfg.draft_config:
-            path = cfg.draft_config
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                dc = Eagle3Config.from_dict({**json.load(f), "draft_vocab_size": len(d2t_ids), "eagle_config": {
-                    "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}, where=path)
-        else:
-            dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
-        dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
-        if init is not None:
-            check_init_compatible(init, dc, cfg.init_from, new_vocab)
-        self.draft_config = dc
-        torch.manual_seed(cfg.seed)                # identical initial weights on every rank
-        draft = Eagle3DraftModel(dc)
-        draft.set_vocab_mapping(d2t_ids)
-        if init is not None:
-            load_init(draft, init, lm_head, new_vocab)
-        if cfg.features == "fused":       # "top" uses id L-1 = the last hidden state, which runtimes do not capture
-            draft.check_target(hf_config, aux_ids)
-        if init is None and cfg.head_init == "target":
-            init_head_from_target(draft, lm_head, d2t_ids, cfg.target, self.target)
-        draft.set_embedding(embed)
+        draft = build_draft(cfg, hf_config, aux_ids, embed, lm_head, self.data, self.train_idx, self.rank,
+                            self.target)
+        self.draft_config = draft.config
         lm_head.requires_grad_(False)
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
                                 step_decay=cfg.step_decay, features=cfg.features,
@@ -367,52 +213,16 @@ class Trainer:
         return {**state, **step_rows(state)}
 
     def save_checkpoint(self, step: int) -> str:
-        """All ranks write into checkpoints/.tmp-step_N; rank 0 renames it to step_N and updates `latest`."""
-        name = f"step_{step:07d}"
-        tmp, final = os.path.join(self.ckpt_dir, f".tmp-{name}"), os.path.join(self.ckpt_dir, name)
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        B.barrier()
-        self.backend.save(tmp)
-        B.barrier()
-        if self.rank == 0:
-            with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump(self._state(step), f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            write_text_atomic(os.path.join(self.ckpt_dir, LATEST), name + "\n")
-            keep_every = self.cfg.keep_every
-            older = [d for d in existing_checkpoints(self.cfg.out) if d != name        # never the one just written
-                     and not (keep_every and int(d.split("_")[1]) % keep_every == 0)]
-            for old in older[:max(0, len(older) - (max(1, self.cfg.keep_checkpoints) - 1))]:
-                shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
-        B.barrier()
-        return final
+        return write_checkpoint(self.ckpt_dir, step, self.backend.save, self._state(step),
+                                self.cfg.keep_checkpoints, self.cfg.keep_every)
 
     def try_resume(self) -> int:
-        latest = os.path.join(self.ckpt_dir, LATEST)
-        if not (self.cfg.resume and os.path.isfile(latest)):
+        """With --resume: load the newest checkpoint (refusing one from a different run) and return its step."""
+        found = latest_checkpoint(self.ckpt_dir) if self.cfg.resume else None
+        if found is None:
             return 0
-        with open(latest) as f:
-            path = os.path.join(self.ckpt_dir, f.read().strip())
-        state_file = os.path.join(path, STATE_FILE)
-        if not os.path.isfile(state_file):
-            raise ConfigError(f"{latest} points to {path}, which has no {STATE_FILE}")
-        with open(state_file) as f:
-            state = json.load(f)
-        now = self._state(state["step"])
-        if state.get("total_steps") != now["total_steps"] and state["step"] >= state.get("total_steps", 0):
-            raise ConfigError(f"{path}: that run finished its planned {state['total_steps']} steps; its warm-up + cosine "
-                              f"schedule cannot be stretched to {now['total_steps']}. Continue training from its draft "
-                              f"in a new folder: --init-from {os.path.join(self.cfg.out, EXPORT_DIR)} --out NEW_RUN")
-        state = {"data_start_step": 0, **state, **step_rows(state)}     # checkpoints from before the key: 0
-        diff = [f"{k}: checkpoint {state.get(k)} vs now {now[k]}" for k in RESUME_KEYS if state.get(k) != now[k]]
-        if diff:
-            raise ConfigError(f"cannot resume {path} with the same data order and schedule: " + "; ".join(diff))
+        path, state = found
+        check_resumable(path, state, self._state(state["step"]), self.cfg.out)
         self.backend.load(path)
         self.tokens_seen = int(state.get("tokens_seen", 0))
         _log(f"resumed from {path} (step {state['step']}/{self.total_steps})")
