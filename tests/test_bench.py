@@ -673,3 +673,41 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     prof.write_text(json.dumps(data))
     with pytest.raises(Exception, match="by_host"):
         SpecProfile.load(str(prof))
+
+
+def test_tune_reruns_the_tree_the_profile_holds(env, tmp_path, capsys):
+    """A draft whose spec_profile.json holds a tree outside the grid: that tree is measured at its batch size and
+    run again with the confirmation (--confirm 1: vanilla, the fastest grid tree and it), so a re-tune chooses
+    between the two on equal terms; --no-incumbent measures the grid alone."""
+    import shutil
+    draft = tmp_path / "draft"
+    shutil.copytree(env["draft"], draft)
+    held = {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}
+    (draft / "spec_profile.json").write_text(json.dumps({"format": "sglang_eagle3.spec_profile/1", "per_batch_size": {
+        "1": {"speculation": True, **held}}}))
+    base = ["--target", env["target"], "--draft", str(draft), "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
+            "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
+            "--num-draft-tokens-grid", "2,3", "--threads", "1", "--confirm", "1", "--confirm-repeats", "2"]
+    assert tune_main(base + ["--out", str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.grid.json").read_text())["rows"]
+    by_key = {tree_key(r["tree"]): r for r in rows}
+    assert set(by_key) == {tree_key(None), tree_key(held)} | {tree_key(t) for t in tree_grid([1], [1, 2], [2, 3])}
+    mine = by_key[tree_key(held)]
+    assert mine["incumbent"] is True and mine["confirmed"] is True and mine["repeats"] == 1 + 2
+    assert sum(1 for r in rows if r.get("confirmed")) == 2 and by_key[tree_key(None)]["repeats"] == 3
+    assert mine["identical_to_vanilla"] is True
+    md = (tmp_path / "p.md").read_text()
+    assert f"competed beside the grid and in the confirmation runs: bs 1 {tree_key(held)}." in md
+    assert str(draft / "spec_profile.json") in md
+    chosen = json.loads((tmp_path / "p.json").read_text())["per_batch_size"]["1"]
+    if chosen.get("speculation"):
+        assert tree_key({k: chosen[k] for k in held}) in {tree_key(r["tree"]) for r in rows if r.get("confirmed")}
+    assert tune_main(base + ["--out", str(tmp_path / "q.json"), "--no-incumbent"]) == 0
+    rows = json.loads((tmp_path / "q.grid.json").read_text())["rows"]
+    assert tree_key(held) not in {tree_key(r["tree"]) for r in rows} and not any(r.get("incumbent") for r in rows)
+    assert "competed" not in (tmp_path / "q.md").read_text()
+    (draft / "spec_profile.json").write_text("{not json")
+    capsys.readouterr()
+    assert tune_main(base + ["--out", str(tmp_path / "r.json")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "cpp_extension" not in line]
+    assert len(err) == 1 and "spec_profile.json: not valid JSON" in err[0]

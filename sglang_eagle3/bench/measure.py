@@ -23,19 +23,26 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
     from ..generate_cli import load_engine
     from ..verify import SamplingParams
     trees = tree_grid(a.steps, a.topks, a.ndts)
+    incumbents = dict(getattr(a, "incumbents", None) or {})    # batch size -> the tree the profile holds now
+    grid_keys = {tree_key(t) for t in trees}
     base = load_engine(a.target, a.draft, SpecConfig(**trees[0]), a.dtype)
     engines = {"vanilla": SpeculativeEngine(base.target, None)}
-    for t in trees:
-        engines[tree_key(t)] = SpeculativeEngine(base.target, base.draft, SpecConfig(**t))
+    for t in trees + list(incumbents.values()):
+        engines.setdefault(tree_key(t), SpeculativeEngine(base.target, base.draft, SpecConfig(**t)))
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
                             seed=a.seed if a.temperature > 0 else None)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     for key in ("vanilla", tree_key(trees[0])):
         engines[key].generate(chats[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
-    plan = {bs: [t for t in [None] + trees if (bs, tree_key(t)) not in done] for bs in a.batch_sizes}
+    extra = {bs: [t] for bs, t in incumbents.items() if tree_key(t) not in grid_keys}   # measured at its bs only
+    plan = {bs: [t for t in [None] + trees + extra.get(bs, []) if (bs, tree_key(t)) not in done]
+            for bs in a.batch_sizes}
     confirm = a.confirm
-    confirm_runs = (min(confirm, len(trees)) + 1) * a.confirm_repeats if confirm else 0
-    bar = tqdm(total=sum(len(v) * a.repeats + (confirm_runs if v else 0) for v in plan.values()), desc="configs",
+
+    def confirm_runs(todo: list) -> int:            # vanilla, the fastest few, and the incumbent if not among them
+        specs = [t for t in todo if t is not None]
+        return (min(confirm, len(specs)) + 2) * a.confirm_repeats if confirm and todo else 0
+    bar = tqdm(total=sum(len(v) * a.repeats + confirm_runs(v) for v in plan.values()), desc="configs",
                unit="run", dynamic_ncols=True, file=sys.stderr)
     for bs, todo in plan.items():
         batch = _cycled(chats, bs, a.n)
@@ -52,9 +59,15 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                     bar.update(1)
         measure(todo, a.repeats)
         confirmed: set[str] = set()
+        incumbent = incumbents.get(bs)
         if confirm and todo:                       # the fastest few again, close together in time, with vanilla
             tps = lambda t: report.median(r[0] / r[1] for r in runs[tree_key(t)])  # noqa: E731
             top = sorted((t for t in todo if t is not None), key=tps, reverse=True)[:confirm]
+            if incumbent is not None and tree_key(incumbent) in runs and \
+                    tree_key(incumbent) not in {tree_key(t) for t in top}:
+                top.append(incumbent)              # one noisy pass must not unseat the tree the profile holds
+            else:
+                bar.total -= a.confirm_repeats
             measure(([None] if None in todo else []) + top, a.confirm_repeats)
             confirmed = {tree_key(t) for t in top}
         van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
@@ -68,7 +81,9 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                          "accepted_drafts": None if t is None else sum(r[0] - r[2] for r in rs),
                          "identical_to_vanilla": (rs[0][3] == van_ids) if (van_ids is not None and t is not None
                                                                            and params.greedy) else None,
-                         **({"confirmed": True} if tree_key(t) in confirmed else {})})
+                         **({"confirmed": True} if tree_key(t) in confirmed else {}),
+                         **({"incumbent": True} if incumbent is not None and t is not None
+                            and tree_key(t) == tree_key(incumbent) else {})})
         on_rows(rows)
     bar.close()
     return {"backend": "engine", "target": os.path.abspath(a.target) if os.path.isdir(a.target) else a.target,

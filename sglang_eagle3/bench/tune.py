@@ -18,6 +18,11 @@ the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens
 profile can hold a table per kind of host (by_host, keyed by config.host_kind(): amx, avx512_bf16, avx2, cpu, cuda). --host-table-into PROFILE stores this run's table there (with
 --temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
 table elsewhere.
+
+Re-tuning (engine): the tree the current profile holds at each batch size (--host-table-into PROFILE's, else the
+draft's spec_profile.json's) is measured beside the grid and always run again in the confirmation, so that one noisy
+pass over the grid (±0.1x per tree on a 2-core VM) cannot replace it by a tree that is not faster (--no-incumbent:
+the grid alone).
 """
 from __future__ import annotations
 
@@ -140,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "times, alternated, after the grid (the best of one noisy pass over many trees is biased "
                         "upwards); 0: none")
     p.add_argument("--confirm-repeats", type=int, default=3)
+    p.add_argument("--no-incumbent", action="store_true",
+                   help="engine: do not measure the tree the current profile holds for each batch size (that of "
+                        "--host-table-into PROFILE, else the draft's spec_profile.json, for this kind of host) beside "
+                        "the grid and in the confirmation runs; by default it competes there, so that one noisy "
+                        "pass over the grid cannot replace it by a tree that is not faster")
     p.add_argument("--min-speedup", type=float, default=1.0,
                    help="speculate at a batch size only if the best tree beats vanilla by this factor")
     p.add_argument("--adaptive-tolerance", type=float, default=0.05,
@@ -159,6 +169,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by_host[amx|avx512_bf16|avx2|cpu]; with --temperature > 0 that host's sampled table), which "
                         "the engine and server use on such hosts; the rest of PROFILE stays as it is")
     return p
+
+
+def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
+    """{batch size: tree} that the profile this run may replace holds now (--host-table-into PROFILE, else the
+    draft's spec_profile.json; this host kind's table where it has one; the sampled table at --temperature > 0),
+    and where they came from. Batch sizes without speculation there give their fastest measured tree."""
+    from ..cli import UserError
+    from ..config import ConfigError, SpecProfile, draft_profile_path, host_kind
+    path = a.host_table_into or draft_profile_path(a.draft)
+    if a.no_incumbent or a.sglang_url or path is None:
+        return {}, None
+    try:
+        prof = SpecProfile.load(path, host=host_kind("cpu"))
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    trees = {}
+    for bs in a.batch_sizes:
+        t = prof.measured_tree(bs, sampled=a.temperature > 0)
+        if t is not None:
+            trees[bs] = {"num_steps": t.num_steps, "topk": t.topk, "num_draft_tokens": t.num_draft_tokens}
+    return trees, prof.source
 
 
 def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
@@ -252,6 +283,7 @@ def run(argv=None) -> int:
     prompts = [t[0] for t in load_prompts(dataset, limit=max(a.n, max(a.batch_sizes)))]
     setup = {"dataset": os.path.abspath(dataset), "n": a.n, "max_new_tokens": a.max_new_tokens,
              "temperature": a.temperature, "seed": a.seed if a.temperature > 0 else None, "ignore_eos": a.ignore_eos}
+    incumbent_source = None
     if a.sglang_url:
         setup.update(backend="sglang", url=a.sglang_url)
     else:
@@ -261,6 +293,7 @@ def run(argv=None) -> int:
             raise UserError(f"--draft {a.draft}: need an EAGLE-3 draft folder (`eagle3 init-draft` makes a random one)")
         setup.update(backend="engine", target=os.path.abspath(a.target), draft=os.path.abspath(a.draft),
                      dtype=a.dtype, threads=torch.get_num_threads())
+        a.incumbents, incumbent_source = incumbent_trees(a)
     grid_path = report.sibling(a.out, ".grid.json")
     rows = _load_grid(grid_path, setup, a.fresh)
     state = {"format": GRID_FORMAT, "setup": setup, "rows": rows, "meta": report.run_metadata()}
@@ -308,6 +341,10 @@ def run(argv=None) -> int:
     if extra:
         text += ("\nRun again after the grid, alternated with vanilla (medians over all runs), and chosen among: "
                  + ", ".join(f"bs {bs} {k} ({n} runs)" for bs, k, n in extra) + ".\n")
+    held = sorted((r["batch_size"], tree_key(r["tree"])) for r in rows if r.get("incumbent"))
+    if held:
+        text += (f"\nThe trees the profile held ({incumbent_source}) competed beside the grid and in the "
+                 "confirmation runs: " + ", ".join(f"bs {bs} {k}" for bs, k in held) + ".\n")
     checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
     if checked:
         text += f"\nGreedy outputs identical to vanilla in {sum(checked)}/{len(checked)} speculative runs.\n"
