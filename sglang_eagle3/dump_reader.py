@@ -121,4 +121,3 @@ class HiddenStateDump:
         d = dict(self.__dict__)
         d["_handles"], d["_offsets"] = {}, {}
         return d
-

@@ -39,10 +39,13 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
             for bs in a.batch_sizes}
     confirm = a.confirm
 
-    def confirm_runs(todo: list) -> int:            # vanilla, the fastest few, and the incumbent if not among them
+    def held_in(bs: int, todo: list) -> bool:       # the profile's tree at bs is measured in this run
+        return bs in incumbents and tree_key(incumbents[bs]) in {tree_key(t) for t in todo}
+
+    def confirm_runs(bs: int, todo: list) -> int:   # vanilla, the fastest few, and the held tree (if not among them)
         specs = [t for t in todo if t is not None]
-        return (min(confirm, len(specs)) + 2) * a.confirm_repeats if confirm and todo else 0
-    bar = tqdm(total=sum(len(v) * a.repeats + confirm_runs(v) for v in plan.values()), desc="configs",
+        return (min(confirm, len(specs)) + 1 + held_in(bs, todo)) * a.confirm_repeats if confirm and todo else 0
+    bar = tqdm(total=sum(len(v) * a.repeats + confirm_runs(bs, v) for bs, v in plan.items()), desc="configs",
                unit="run", dynamic_ncols=True, file=sys.stderr)
     for bs, todo in plan.items():
         batch = _cycled(chats, bs, a.n)
@@ -59,15 +62,15 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                     bar.update(1)
         measure(todo, a.repeats)
         confirmed: set[str] = set()
-        incumbent = incumbents.get(bs)
+        incumbent = incumbents.get(bs) if held_in(bs, todo) else None
         if confirm and todo:                       # the fastest few again, close together in time, with vanilla
             tps = lambda t: report.median(r[0] / r[1] for r in runs[tree_key(t)])  # noqa: E731
             top = sorted((t for t in todo if t is not None), key=tps, reverse=True)[:confirm]
-            if incumbent is not None and tree_key(incumbent) in runs and \
-                    tree_key(incumbent) not in {tree_key(t) for t in top}:
-                top.append(incumbent)              # one noisy pass must not unseat the tree the profile holds
-            else:
-                bar.total -= a.confirm_repeats
+            if incumbent is not None:              # one noisy pass must not unseat the tree the profile holds
+                if tree_key(incumbent) in {tree_key(t) for t in top}:
+                    bar.total -= a.confirm_repeats
+                else:
+                    top.append(incumbent)
             measure(([None] if None in todo else []) + top, a.confirm_repeats)
             confirmed = {tree_key(t) for t in top}
         van_ids = runs["vanilla"][0][3] if "vanilla" in runs else None
@@ -82,8 +85,8 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
                          "identical_to_vanilla": (rs[0][3] == van_ids) if (van_ids is not None and t is not None
                                                                            and params.greedy) else None,
                          **({"confirmed": True} if tree_key(t) in confirmed else {}),
-                         **({"incumbent": True} if incumbent is not None and t is not None
-                            and tree_key(t) == tree_key(incumbent) else {})})
+                         **({"incumbent": True} if incumbent is not None and tree_key(t) == tree_key(incumbent)
+                            else {})})
         on_rows(rows)
     bar.close()
     return {"backend": "engine", "target": os.path.abspath(a.target) if os.path.isdir(a.target) else a.target,

@@ -176,14 +176,17 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
     draft's spec_profile.json; this host kind's table where it has one; the sampled table at --temperature > 0),
     and where they came from. Batch sizes without speculation there give their fastest measured tree."""
     from ..cli import UserError
-    from ..config import ConfigError, SpecProfile, draft_profile_path, host_kind
-    path = a.host_table_into or draft_profile_path(a.draft)
-    if a.no_incumbent or a.sglang_url or path is None:
+    from ..config import ConfigError, SpecProfile, host_kind
+    from ..generate_cli import draft_profile
+    if a.no_incumbent:
         return {}, None
     try:
-        prof = SpecProfile.load(path, host=host_kind("cpu"))
+        prof = SpecProfile.load(a.host_table_into, host=host_kind("cpu")) if a.host_table_into else \
+            draft_profile(a.draft)
     except ConfigError as e:
         raise UserError(str(e)) from None
+    if prof is None:
+        return {}, None
     trees = {}
     for bs in a.batch_sizes:
         t = prof.measured_tree(bs, sampled=a.temperature > 0)
@@ -343,7 +346,8 @@ def run(argv=None) -> int:
                  + ", ".join(f"bs {bs} {k} ({n} runs)" for bs, k, n in extra) + ".\n")
     held = sorted((r["batch_size"], tree_key(r["tree"])) for r in rows if r.get("incumbent"))
     if held:
-        text += (f"\nThe trees the profile held ({incumbent_source}) competed beside the grid and in the "
+        where = f" ({incumbent_source})" if incumbent_source else ""   # rows resumed from an earlier run's grid
+        text += (f"\nThe trees the profile held{where} competed beside the grid and in the "
                  "confirmation runs: " + ", ".join(f"bs {bs} {k}" for bs, k in held) + ".\n")
     checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
     if checked:

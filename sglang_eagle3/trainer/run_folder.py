@@ -35,9 +35,13 @@ def step_rows(state: dict) -> dict:
             "per_row_loss": micro == 1 or bool(state.get("pack_rows"))}
 
 
+def checkpoint_names(ckpt_dir: str) -> list[str]:
+    """The step_N folders in ckpt_dir, oldest first."""
+    return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_")) if os.path.isdir(ckpt_dir) else []
+
+
 def existing_checkpoints(out: str) -> list[str]:
-    ckpt = os.path.join(out, "checkpoints")
-    return sorted(d for d in os.listdir(ckpt) if d.startswith("step_")) if os.path.isdir(ckpt) else []
+    return checkpoint_names(os.path.join(out, "checkpoints"))
 
 
 def check_run_folder(cfg) -> None:
@@ -82,7 +86,7 @@ def write_checkpoint(ckpt_dir: str, step: int, save: Callable[[str], None], stat
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_text_atomic(os.path.join(ckpt_dir, LATEST), name + "\n")
-        older = [d for d in existing_checkpoints(os.path.dirname(ckpt_dir)) if d != name   # never the one just written
+        older = [d for d in checkpoint_names(ckpt_dir) if d != name          # never the one just written
                  and not (keep_every and int(d.split("_")[1]) % keep_every == 0)]
         for old in older[:max(0, len(older) - (max(1, keep_checkpoints) - 1))]:
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
