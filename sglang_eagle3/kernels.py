@@ -7,7 +7,7 @@
 - `csrc/cpu_ops.cpp` (a torch C++ extension, compiled once into the cache): tree attention straight over
   the row-indexed KV pool (no gather, no slicing copies, each row attends over its own length), RMSNorm,
   residual add + RMSNorm, SiLU * up; and for training, TTT's soft cross-entropy and the target's
-  distribution over the draft vocabulary (one pass per row; dispatched from ttt.py, twins there).
+  distribution over the draft vocabulary (one pass per row; dispatched from soft_ce.py, twins there).
 - `csrc/tree_ops.cpp`: the draft tree's bookkeeping as one call each (tree.build_draft_tree, the per-level
   `topk_logprobs`, verify.accept_greedy_logits): at batch 1 those small tensor ops cost more than the draft's
   levels themselves.

@@ -22,6 +22,8 @@ would end inside a prompt costs one step, not seven (a third fewer draft-layer p
 Step loss: soft cross-entropy against the target's softmax restricted to the draft vocabulary
 (target logits gathered at the draft's target ids, then softmax), over positions whose loss_mask
 is set and whose target argmax is in the draft vocabulary; total = sum_k decay^k * loss_k.
+target_temperature (sharpen_target) trains against softmax(target logits / T) instead: 0 is the hard label,
+the target's greedy pick (what T=0 serving accepts), 1 (default) the references' soft target.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .draft import linear_rows
+from .soft_ce import sharpen_target, soft_cross_entropy, target_distribution, wide_dtype as _wide
 
 FEATURES = ("fused", "top")
 
@@ -129,11 +131,6 @@ class TTTAttention:
 
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """Softmax / loss precision: fp32 for half types, else the input's own (fp64 stays fp64 in tests)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 @dataclass
 class TTTOutput:
     """Loss plus summable counters (add them over batches / ranks, then call `metrics`)."""
@@ -160,73 +157,6 @@ def metrics_from_counters(c: torch.Tensor) -> dict:
     return out
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """Per-position soft cross-entropy -sum_v p_v log_softmax(z)_v = logsumexp(z) - <p, z> (p sums to 1),
-    with the gradient softmax(z) - p written in one pass: far less memory traffic over [S, vocab] than
-    log_softmax + multiply + sum and their autograd backward. z [S, V] any float dtype; p [N, V] fp32 read
-    through rows [S] (position i is scored against p[rows[i]]).
-
-    bf16 z on CPU (autocast training) runs csrc's kernel: it reads p's rows in place instead of gathering an
-    [S, V] copy, and fuses the max, exp, dot and gradient passes (the PyTorch ops below and the gather took ~16% of a
-    packed TTT step); fp32 and fp64 z keep these ops, so reference comparisons stay exact."""
-
-    @staticmethod
-    def forward(ctx, z, p, rows):
-        ext = _soft_ce_extension(z, p, rows)
-        ctx.use_ext = ext is not None
-        if ext is not None:
-            loss, lse = ext.soft_ce_forward(z, p, rows)
-            ctx.save_for_backward(z, p, rows, lse)
-            return loss
-        pr = p[rows]                                                      # [S, V]
-        zf = z.to(_wide(z.dtype))
-        lse = torch.logsumexp(zf, -1)                                     # [S]
-        loss = lse - (pr * zf).sum(-1)     # not a matmul: autocast would run it as a slow bf16 bmm
-        ctx.save_for_backward(z, pr)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if ctx.use_ext:
-            z, p, rows, lse = ctx.saved_tensors
-            return kernels.extension().soft_ce_backward(z, p, rows, lse, grad_loss.float().contiguous()), None, None
-        z, pr = ctx.saved_tensors
-        grad = torch.softmax(z, -1, dtype=_wide(z.dtype))                 # one fused pass (1.6x exp(z - lse))
-        grad.sub_(pr).mul_(grad_loss.unsqueeze(-1))
-        return grad.to(z.dtype), None, None
-
-
-def _soft_ce_extension(z: torch.Tensor, p: torch.Tensor, rows: torch.Tensor):
-    """csrc's soft cross-entropy where it applies (bf16 logits on CPU, kernels not switched off), else None."""
-    if z.dtype != torch.bfloat16 or z.device.type != "cpu" or p.dtype != torch.float32:
-        return None
-    if not (z.is_contiguous() and p.is_contiguous() and rows.is_contiguous()):
-        return None
-    return kernels.extension()
-
-
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """logits [S, V]; p [S, V], or p [N, V] with rows [S] (position i against p[rows[i]]) -> [S]."""
-    if rows is None:
-        if p.shape != logits.shape:
-            raise ValueError(f"soft_cross_entropy: p {tuple(p.shape)} must match logits {tuple(logits.shape)}")
-        rows = torch.arange(logits.shape[0], device=logits.device)
-    return SoftCrossEntropy.apply(logits, p, rows.long())
-
-
-@torch.no_grad()
-def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids: torch.Tensor):
-    """last_hidden [..., Ht] (post final norm) -> (p [..., Vd] softmax over the draft vocab, top [...] target ids)."""
-    w = lm_head.weight
-    logits = linear_rows(lm_head, last_hidden.to(w.dtype))      # [..., V] (bf16 under autocast)
-    ext = kernels.extension() if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" else None
-    if ext is not None:                                          # csrc: one pass per row, no gathered copy
-        p, top = ext.target_distribution(logits.reshape(-1, logits.shape[-1]).contiguous(), draft_ids.contiguous())
-        return p.view(*logits.shape[:-1], -1), top.view(logits.shape[:-1])
-    top = kernels.argmax(logits)                                        # a cast to fp32 is exact: same argmax
-    return logits[..., draft_ids].to(_wide(logits.dtype)).softmax(-1), top
-
-
 def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Tensor:
     if features not in FEATURES:
         raise ValueError(f"features={features!r}; expected one of {FEATURES}")
@@ -243,7 +173,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
                 last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
                 ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
                 feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True,
-                row_lengths: Optional[list[int]] = None, grow_every_chain: Optional[bool] = None) -> TTTOutput:
+                row_lengths: Optional[list[int]] = None, grow_every_chain: Optional[bool] = None,
+                target_temperature: float = 1.0) -> TTTOutput:
     """EAGLE-3 training-time test on one batch.
 
     input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
@@ -261,6 +192,8 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
     Steps k >= 1 grow only the chains some later step scores (chains_to_grow: a chain ending in a prompt is
     dropped after step 0); grow_every_chain=True grows all of them (the same loss, more FLOPs, no gathers);
     None: grow_every_chain_default(device).
+    target_temperature: the distribution each step learns is softmax(target logits / T) over the draft vocab
+    (sharpen_target; 0: one-hot at the target's pick); accuracies always count the target's own argmax.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -279,6 +212,7 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
         needed[:, 1:] |= valid[:, :-1]                                     # gated by the mask one earlier
     draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
     p_needed, top_needed = target_distribution(last_hidden[needed], lm_head, draft_ids)   # [N, Vd], [N]
+    p_needed = sharpen_target(p_needed, target_temperature)
     row_of = torch.zeros(B, T, dtype=torch.long, device=dev)               # [B, T] -> row of p_needed
     row_of[needed] = torch.arange(p_needed.shape[0], device=dev)
     top = torch.full((B, T), -1, dtype=torch.long, device=dev)             # target's pick (-1: not needed)

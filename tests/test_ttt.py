@@ -49,7 +49,7 @@ def make_setup(num_aux=3, seed=0, eagle31=False, T=T, gap=None):
 
 
 def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feature_loss_weight=0.0,
-              loss_mask_offset=1):
+              loss_mask_offset=1, target_temperature=1.0):
     """Draft chains run one step at a time from every base position t, no cache, explicit masks.
 
     Step k from base t: hidden inputs [fc(f_0) .. fc(f_t), o^0_t .. o^{k-1}_t], tokens x_1 .. x_{t+k+1},
@@ -60,6 +60,10 @@ def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feat
     valid = lm.bool() & am.bool()
     draft_ids = draft.draft_to_target(torch.arange(VD))
     p_all, top = target_distribution(d["last"], lm_head, draft_ids)
+    if target_temperature != 1:                                  # from the logits, not from p_all
+        z = lm_head(d["last"])[..., draft_ids]
+        p_all = (F.one_hot(z.argmax(-1), VD).to(DT) if target_temperature == 0
+                 else (z / target_temperature).softmax(-1))
     g = draft.project(d["last"] if features == "top" else d["aux"])
     num = [0.0] * ttt_length
     den = [0.0] * ttt_length
@@ -147,6 +151,37 @@ def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset
     assert (out.step_loss > 0).all() and (ref_counters[K:2 * K] > 0).all()
     if fw:
         assert out.feature_loss is not None and out.feature_loss > 0
+
+
+@pytest.mark.parametrize("target_temperature", [0.0, 0.5, 2.0])
+def test_sharpened_targets_match_naive_drafting(target_temperature):
+    """target_temperature T: every step learns softmax(target logits / T) over the draft vocab (0: one-hot at the
+    target's greedy pick); accuracies still count the target's own argmax, so the counters do not move."""
+    draft, lm_head, d = make_setup()
+    out, counters, _ = assert_matches_naive(draft, lm_head, d, target_temperature=target_temperature)
+    soft = efficient(draft, lm_head, d)
+    assert not torch.allclose(out.loss, soft.loss)
+    assert torch.equal(counters, soft.counters())
+
+
+def test_sharpen_target_values_and_flag():
+    import argparse
+    from sglang_eagle3.trainer.cli import UserError, add_train_args, train_config
+    from sglang_eagle3.soft_ce import sharpen_target
+    z = torch.tensor([[2.0, 0.0, 1.0, 1.5], [0.0, 3.0, 3.5, -1.0]], dtype=DT)
+    p = z.softmax(-1)
+    assert sharpen_target(p, 1.0) is p
+    torch.testing.assert_close(sharpen_target(p, 0.25), (z / 0.25).softmax(-1))
+    assert sharpen_target(p, 0.0).tolist() == [[1, 0, 0, 0], [0, 0, 1, 0]]
+    with pytest.raises(ValueError, match="target_temperature must be >= 0"):
+        sharpen_target(p, -0.5)
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    base = ["--target", "t", "--data", "d", "--out", "o"]
+    assert train_config(parser.parse_args(base)).target_temperature == 1.0
+    assert train_config(parser.parse_args(base + ["--target-temperature", "0"])).target_temperature == 0.0
+    with pytest.raises(UserError, match="--target-temperature must be >= 0, got -1.0"):
+        train_config(parser.parse_args(base + ["--target-temperature", "-1"]))
 
 
 @pytest.mark.parametrize("grow_every_chain", [False, True])
@@ -303,7 +338,7 @@ def test_soft_cross_entropy_kernel_equals_the_pytorch_ops(V_):
     """bf16 logits on CPU take csrc's fused kernel (p read through row indices); it gives the PyTorch ops' loss
     and gradient (fp32 arithmetic in both; the gradient within one bf16 rounding)."""
     from sglang_eagle3 import kernels
-    from sglang_eagle3.ttt import _soft_ce_extension, soft_cross_entropy
+    from sglang_eagle3.soft_ce import _soft_ce_extension, soft_cross_entropy
     if kernels.extension() is None:
         pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
     g = torch.Generator().manual_seed(0)

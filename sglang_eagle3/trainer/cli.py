@@ -109,6 +109,9 @@ def add_train_args(p) -> None:
     g.add_argument("--feature-loss-weight", type=float, default=0.0,
                    help="add w * smooth-L1(step-0 draft hidden, target last hidden) (EAGLE/HASS-style ablation)")
     g = p.add_argument_group("training-time test")
+    g.add_argument("--target-temperature", type=float, default=1.0,
+                   help="each step learns softmax(target logits / T) over the draft vocab: 1 (default) the target's "
+                        "own distribution, as the references; < 1 sharper; 0 the target's greedy pick (hard labels)")
     g.add_argument("--ttt-length", type=int, default=7, help="unrolled draft steps (default 7)")
     g.add_argument("--step-decay", type=float, default=0.8, help="weight of step k is decay^k (default 0.8)")
     g.add_argument("--loss-mask-offset", type=int, choices=[0, 1], default=1,
@@ -172,6 +175,7 @@ def train_config(args):
     checks = [("--lr", args.lr, args.lr > 0, "> 0"), ("--warmup-ratio", args.warmup_ratio, 0 <= args.warmup_ratio < 1, "in [0, 1)"),
               ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
               ("--step-decay", args.step_decay, args.step_decay > 0, "> 0"),
+              ("--target-temperature", args.target_temperature, args.target_temperature >= 0, ">= 0"),
               ("--grad-clip", args.grad_clip, args.grad_clip > 0, "> 0"), ("--epochs", args.epochs, args.epochs > 0, "> 0"),
               ("--eval-rows", args.eval_rows, args.eval_rows >= 0, ">= 0"),
               ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1, ">= 1"),
@@ -186,7 +190,7 @@ def train_config(args):
         fc_norm=args.fc_norm, norm_output=args.norm_output, loss_mask_offset=args.loss_mask_offset,
         grow_chains=args.grow_chains,
         overwrite=args.overwrite,
-        feature_loss_weight=args.feature_loss_weight, head_init=args.head_init, ttt_length=args.ttt_length, step_decay=args.step_decay,
+        feature_loss_weight=args.feature_loss_weight, target_temperature=args.target_temperature, head_init=args.head_init, ttt_length=args.ttt_length, step_decay=args.step_decay,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
         pack_rows=args.pack_rows,
         epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,

@@ -125,6 +125,7 @@ class Trainer:
         self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
                                 step_decay=cfg.step_decay, features=cfg.features,
                                 feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset,
+                                target_temperature=cfg.target_temperature,
                                 grow_every_chain={"auto": None, "all": True, "scored": False}[cfg.grow_chains])
 
     def _setup_backend(self) -> None:

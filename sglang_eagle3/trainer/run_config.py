@@ -24,6 +24,7 @@ class TrainConfig:
     aux_layer_ids: Optional[list] = None
     features: str = "fused"
     feature_loss_weight: float = 0.0
+    target_temperature: float = 1.0          # learn softmax(target logits / T); 0: the target's greedy pick
     head_init: str = "random"                # random (the authors', SpecForge) | target: lm_head rows + final norm
     ttt_length: int = 7
     step_decay: float = 0.8
