@@ -85,7 +85,8 @@ def target_distribution(last_hidden: torch.Tensor, lm_head: nn.Module, draft_ids
 
 
 def sharpen_target(p: torch.Tensor, temperature: float) -> torch.Tensor:
-    """p [N, Vd] (softmax of the target's logits) -> softmax(logits / temperature): p^(1/T) renormalised;
+    """p [N, Vd] (softmax of the target's logits) -> softmax(logits / temperature) = softmax(log p / T) (log p is
+    the logits up to a per-row constant; in log space, so a small T cannot underflow every entry of p^(1/T) to 0);
     temperature 0: one-hot at p's argmax (the target's greedy pick); 1: p itself."""
     if temperature < 0:
         raise ValueError(f"target_temperature must be >= 0, got {temperature}")
@@ -93,5 +94,4 @@ def sharpen_target(p: torch.Tensor, temperature: float) -> torch.Tensor:
         return p
     if temperature == 0:
         return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
-    q = p.pow(1.0 / temperature)                              # exp(log p / T): logits / T up to a constant
-    return q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+    return torch.softmax(p.log() / temperature, -1)         # p == 0 -> -inf -> 0; the row's max is finite

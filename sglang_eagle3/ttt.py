@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .soft_ce import sharpen_target, soft_cross_entropy, target_distribution, wide_dtype as _wide
+from .soft_ce import sharpen_target, soft_cross_entropy, target_distribution, wide_dtype
 
 FEATURES = ("fused", "top")
 
@@ -122,7 +122,7 @@ class TTTAttention:
             vd = torch.stack([vj.index_select(2, a) for vj, a in zip(self.values[1:], diag_at)], dim=2)
             diag = torch.einsum("bngtd,bnjtd->bngtj", q, kd)                  # [B, nKV, g, Lq, k]
             scores = torch.cat([scores, diag], dim=-1)                        # [B, nKV, g, Lq, L + k]
-        probs = scores.softmax(-1, dtype=_wide(q.dtype)).to(q.dtype)
+        probs = scores.softmax(-1, dtype=wide_dtype(q.dtype)).to(q.dtype)
         out = torch.einsum("bngts,bnsd->bngtd", probs[..., :L], v0)
         if diag_at:
             out = out + torch.einsum("bngtj,bnjtd->bngtd", probs[..., L:], vd)
@@ -257,13 +257,13 @@ def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hid
         if fused_ce:
             ce = soft_cross_entropy(logits, p_needed, p_rows)              # [S]
         else:
-            ce = -(p_needed[p_rows] * logits.to(_wide(logits.dtype)).log_softmax(-1)).sum(-1)
+            ce = -(p_needed[p_rows] * logits.to(wide_dtype(logits.dtype)).log_softmax(-1)).sum(-1)
         off = k + loss_mask_offset
         m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[:, pick][sel].float()   # [S] positions the loss scores
         loss_k = _mean_loss(ce * m, m, None if row_of_base is None else row_of_base[sel], num_rows)
         total = total + step_decay ** k * loss_k
         if k == 0 and feature_loss_weight > 0:
-            wide = _wide(h.dtype)
+            wide = wide_dtype(h.dtype)
             fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, n]
             feat_loss = _mean_loss(fl[v], torch.ones_like(fl[v]), None if row_of_base is None else row_of_base[v],
                                    num_rows)

@@ -172,6 +172,8 @@ def test_sharpen_target_values_and_flag():
     p = z.softmax(-1)
     assert sharpen_target(p, 1.0) is p
     torch.testing.assert_close(sharpen_target(p, 0.25), (z / 0.25).softmax(-1))
+    # fp32 at a small T: every p^(1/T) underflows to 0 (0.5^1000), softmax(logits / T) does not
+    torch.testing.assert_close(sharpen_target(p.float(), 1e-3), (z.float() / 1e-3).softmax(-1))
     assert sharpen_target(p, 0.0).tolist() == [[1, 0, 0, 0], [0, 0, 1, 0]]
     with pytest.raises(ValueError, match="target_temperature must be >= 0"):
         sharpen_target(p, -0.5)
