@@ -5,76 +5,32 @@ vLLM's speculators layout) through `formats`, then checks names, shapes, dtypes,
 map, and the config against the target's config.json. `check_draft(draft_dir, target)` returns the
 findings so the launcher (or an SGLang plugin) can refuse a bad draft before a GPU is touched.
 
-Severity policy: ERROR = SGLang/vLLM would fail to load it or would silently run wrong numbers
-(low acceptance at best); WARN = it runs, but something deserves a look.
+The checks against the target live in `check_target`; the findings and their severities in `findings`
+(ERROR = SGLang/vLLM would fail to load it or would silently run wrong numbers; WARN = it runs, but something
+deserves a look).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict
 
 import torch
 
 from . import formats
+from .check_target import check_aux_ids, check_target, eagle_config
+from .findings import ERROR, OK, WARN, Finding, Report, format_table, has_errors, positive_int
 from .formats import files
 from .formats.files import TargetError, load_target_config
 
-OK, WARN, ERROR = "OK", "WARN", "ERROR"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
                  "num_hidden_layers")
 OPTIONAL_INT_KEYS = ("num_key_value_heads", "head_dim", "target_hidden_size")
 
 
-@dataclass
-class Finding:
-    check: str
-    status: str     # OK | WARN | ERROR
-    detail: str
-
-
-def _rope(d: dict) -> tuple:
-    """(theta, rope_type, other parameters) from a config dict, whichever way transformers wrote it."""
-    as_dict = lambda x: x if isinstance(x, dict) else {}  # noqa: E731
-    params = as_dict(d.get("rope_parameters"))
-    if "full_attention" in params:                       # per-layer-type rope (Gemma-style)
-        params = as_dict(params["full_attention"])
-    theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
-    scaling = as_dict(d.get("rope_scaling")) or {k: v for k, v in params.items() if k != "rope_theta"}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    rest = {k: v for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta")}
-    return (float(theta) if isinstance(theta, (int, float)) else theta), rope_type, rest
-
-
-def _fmt_rope(r: tuple) -> str:
-    theta, kind, rest = r
-    return f"rope_theta={theta}, rope_type={kind}" + (f", {rest}" if rest else "")
-
-
-class _Report:
-    def __init__(self):
-        self.findings: list[Finding] = []
-
-    def add(self, status, check, detail):
-        self.findings.append(Finding(check, status, detail))
-
-
-def _positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def _eagle(c: dict) -> dict:
-    return c["eagle_config"] if isinstance(c.get("eagle_config"), dict) else {}
-
-
-def _aux_ids(c: dict):
-    return _eagle(c).get("eagle_aux_hidden_state_layer_ids")
-
-
-def _check_config(r: _Report, c: dict, keys: dict, fmt: str) -> bool:
+def _check_config(r: Report, c: dict, keys: dict, fmt: str) -> bool:
     """Config-only checks; returns True when the keys that shapes depend on are usable."""
     where = lambda k: keys.get(k, k)  # noqa: E731
     missing = [k for k in REQUIRED_KEYS if c.get(k) is None]
@@ -87,8 +43,8 @@ def _check_config(r: _Report, c: dict, keys: dict, fmt: str) -> bool:
                                    "fails without it)",
                "architectures": " (SGLang picks the model class from it)"}.get(k, "")
         r.add(ERROR, "config keys", f"missing config key {where(k)}{why}")
-    bad = [k for k in REQUIRED_KEYS if k not in missing and not _positive_int(c[k])]
-    bad += [k for k in OPTIONAL_INT_KEYS if c.get(k) is not None and not _positive_int(c[k])]
+    bad = [k for k in REQUIRED_KEYS if k not in missing and not positive_int(c[k])]
+    bad += [k for k in OPTIONAL_INT_KEYS if c.get(k) is not None and not positive_int(c[k])]
     for k in bad:
         r.add(ERROR, "config keys", f"{where(k)}={c[k]!r} is not a positive integer")
     if not missing and not bad:
@@ -117,14 +73,14 @@ def _check_config(r: _Report, c: dict, keys: dict, fmt: str) -> bool:
         r.add(WARN, "rms_norm_eps", f"missing config key {where('rms_norm_eps')}: loaders fall back to "
                                     "LlamaConfig's 1e-6, which may not be what the draft was trained with")
     heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads") or c.get("num_attention_heads")
-    if _positive_int(heads) and _positive_int(kv) and heads % kv:
+    if positive_int(heads) and positive_int(kv) and heads % kv:
         r.add(ERROR, "attention heads", f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     V, Vd = c.get("vocab_size"), c.get("draft_vocab_size")
-    if _positive_int(V) and _positive_int(Vd) and Vd > V:
+    if positive_int(V) and positive_int(Vd) and Vd > V:
         r.add(ERROR, "draft_vocab_size", f"{where('draft_vocab_size')}={Vd} exceeds {where('vocab_size')}={V}")
     if c.get("eagle_config") is not None and not isinstance(c["eagle_config"], dict):
         r.add(ERROR, "eagle_config", f"eagle_config={c['eagle_config']!r} is not an object")
-    if _eagle(c).get("use_aux_hidden_state") is False:
+    if eagle_config(c).get("use_aux_hidden_state") is False:
         r.add(ERROR, "eagle_config", "eagle_config.use_aux_hidden_state=false: the draft would not read the "
                                      "target's low/mid/high features (that is EAGLE-1/2, not EAGLE-3)")
     tie = c.get("tie_word_embeddings", False)
@@ -159,7 +115,7 @@ def _fc_norm(c: dict) -> bool:
     return bool(c.get("fc_norm") or c.get("use_aux_norm"))
 
 
-def _check_tensors(r: _Report, c: dict, tensors: dict, names: dict, variant: set, torch_dtype) -> None:
+def _check_tensors(r: Report, c: dict, tensors: dict, names: dict, variant: set, torch_dtype) -> None:
     name = lambda k: names.get(k, k)  # noqa: E731
     expected = expected_shapes(c)
     optional = {"embed_tokens.weight": (c["vocab_size"], c["hidden_size"])}
@@ -189,7 +145,7 @@ def _check_tensors(r: _Report, c: dict, tensors: dict, names: dict, variant: set
     _check_trained(r, tensors)
 
 
-def _check_trained(r: _Report, tensors: dict) -> None:
+def _check_trained(r: Report, tensors: dict) -> None:
     """A freshly initialised draft (init-draft, or an export of step 0) serves at acceptance length ~1."""
     norms = [v for k, v in tensors.items() if k.endswith("norm.weight") and v.is_floating_point()]
     if norms and all(bool((v.float() == 1).all()) for v in norms):
@@ -197,7 +153,7 @@ def _check_trained(r: _Report, tensors: dict) -> None:
                                "looks untrained (random weights accept ~nothing)")
 
 
-def _check_dtypes(r: _Report, tensors: dict, name, torch_dtype) -> None:
+def _check_dtypes(r: Report, tensors: dict, name, torch_dtype) -> None:
     floats: dict[torch.dtype, int] = {}
     ok = True
     for k, t in tensors.items():
@@ -222,7 +178,7 @@ def _check_dtypes(r: _Report, tensors: dict, name, torch_dtype) -> None:
         r.add(OK, "dtype", f"weights are {next(iter(names_of))}")
 
 
-def _check_vocab_map(r: _Report, c: dict, tensors: dict, names: dict) -> None:
+def _check_vocab_map(r: Report, c: dict, tensors: dict, names: dict) -> None:
     V, Vd = c["vocab_size"], c["draft_vocab_size"]
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     dn, tn = names.get("d2t", "d2t"), names.get("t2d", "t2d")
@@ -290,82 +246,9 @@ def _check_vocab_map(r: _Report, c: dict, tensors: dict, names: dict) -> None:
         r.add(OK, "t2d", f"marks {Vd} target tokens")
 
 
-def _check_target(r: _Report, c: dict, keys: dict, tensors: dict, fmt: str, raw: dict, top, tc) -> None:
-    where = lambda k: keys.get(k, k)  # noqa: E731
-    V, H, L = (getattr(tc, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
-    if not all(_positive_int(x) for x in (V, H, L)):
-        r.add(ERROR, "target", f"target config lacks vocab_size/hidden_size/num_hidden_layers (got {V}, {H}, {L})")
-        return
-    if c.get("vocab_size") != V:
-        r.add(ERROR, "vocab size", f"draft {where('vocab_size')}={c.get('vocab_size')} (t2d rows) but target "
-                                   f"vocab_size={V}")
-    else:
-        r.add(OK, "vocab size", f"{V} = target vocab_size")
-    Ht = c.get("target_hidden_size") or c.get("hidden_size")
-    if Ht != H:
-        key = "target_hidden_size" if c.get("target_hidden_size") else "hidden_size"
-        fc = list(tensors["fc.weight"].shape) if "fc.weight" in tensors else "?"
-        r.add(ERROR, "hidden size", f"draft {where(key)}={Ht} (fc.weight {fc} reads 3 x {Ht}) but target "
-                                    f"hidden_size={H}")
-    elif c.get("hidden_size") != H:
-        status = WARN if "embed_tokens.weight" in tensors else ERROR
-        r.add(status, "hidden size", f"draft hidden_size={c.get('hidden_size')} but target hidden_size={H}: the "
-              "draft cannot share the target embedding" + (" (it carries its own; this toolkit cannot run it)"
-                                                             if status == WARN else ""))
-    else:
-        r.add(OK, "hidden size", f"{H} = target hidden_size")
-    _check_aux_ids(r, c, keys, L)
-    draft_rope, target_rope = _rope(c), _rope({"rope_theta": getattr(tc, "rope_theta", None),
-                                               "rope_scaling": getattr(tc, "rope_scaling", None),
-                                               "rope_parameters": getattr(tc, "rope_parameters", None)})
-    if draft_rope != target_rope:
-        r.add(WARN, "rope", f"draft {_fmt_rope(draft_rope)} vs target {_fmt_rope(target_rope)}: engines build the "
-                            "draft's RoPE from the draft config, so this is fine if the draft was trained that way")
-    else:
-        r.add(OK, "rope", _fmt_rope(draft_rope))
-    d_ctx, t_ctx = c.get("max_position_embeddings"), getattr(tc, "max_position_embeddings", None)
-    if isinstance(d_ctx, int) and isinstance(t_ctx, int) and d_ctx < t_ctx:
-        r.add(WARN, "context length", f"draft max_position_embeddings={d_ctx} < target's {t_ctx}: SGLang refuses "
-                                      "a draft whose context is shorter than the target's unless "
-                                      "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 or --context-length is lower")
-    if fmt == "speculators":
-        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("architectures")
-        archs = list(getattr(top, "architectures", None) or [])
-        if verifier and archs and list(verifier) != archs:
-            r.add(WARN, "verifier", f"speculators_config.verifier.architectures={verifier} but the target is {archs}")
-
-
-def _check_aux_ids(r: _Report, c: dict, keys: dict, num_layers: Optional[int]) -> None:
-    key = keys.get("eagle_config.eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids")
-    ids = _aux_ids(c)
-    L = num_layers
-    if ids is None:
-        default = f" = [2, {L // 2}, {L - 3}] for this target" if L else ""
-        r.add(WARN, "aux layer ids", f"missing {key}: SGLang then captures the inputs of layers [2, L//2, L-3]"
-                                     f"{default} (ids [1, L//2-1, L-4]), which is also this toolkit's default")
-        return
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        r.add(ERROR, "aux layer ids", f"{key}={ids!r} is not a list of integers")
-        return
-    if len(ids) != 3:
-        r.add(ERROR, "aux layer ids", f"{key}={ids} has {len(ids)} ids; SGLang's and vLLM's fc reads exactly 3 "
-                                      "target layers")
-    hi = L - 2 if L else None
-    bad = [i for i in ids if i < 0 or (hi is not None and i > hi)]
-    if bad:
-        rng = f"[0, {hi}] for a {L}-layer target" if L else "non-negative"
-        r.add(ERROR, "aux layer ids", f"{key}={ids}: ids {bad} out of range; they must be {rng} (id i = output of "
-                                      "layer i, captured at layer i+1's input)")
-    elif len(set(ids)) != len(ids):
-        r.add(WARN, "aux layer ids", f"{key}={ids} repeats a layer")
-    elif len(ids) == 3:
-        r.add(OK, "aux layer ids", f"{ids}" + (f" within the target's {L} layers" if L else
-                                               " (range not checked: no target)"))
-
-
 def check_draft(draft_dir: str, target=None) -> list[Finding]:
     """Validate an EAGLE-3 draft folder, optionally against a target (folder, hub id or config)."""
-    r = _Report()
+    r = Report()
     if not os.path.isdir(draft_dir):
         r.add(ERROR, "folder", f"{draft_dir}: not a directory")
         return r.findings
@@ -417,21 +300,10 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
                                          "strict=False and keeps a random embedding, so the draft runs at a much "
                                          "lower acceptance without an error (re-export with --target)")
     if tc is not None:
-        _check_target(r, c, keys, tensors or {}, fmt, raw, top, tc)
+        check_target(r, c, keys, tensors or {}, fmt, raw, top, tc)
     else:
-        _check_aux_ids(r, c, keys, None)
+        check_aux_ids(r, c, keys, None)
     return r.findings
-
-
-def has_errors(findings: list[Finding]) -> bool:
-    return any(f.status == ERROR for f in findings)
-
-
-def format_table(findings: list[Finding]) -> str:
-    w = max([len(f.check) for f in findings] + [5])
-    lines = [f"{'check':<{w}}  {'status':<6}  detail", f"{'-' * w}  ------  {'-' * 40}"]
-    lines += [f"{f.check:<{w}}  {f.status:<6}  {f.detail}" for f in findings]
-    return "\n".join(lines)
 
 
 def _cli(args) -> int:

@@ -19,27 +19,23 @@ The token embedding is the target's, frozen and never saved (`set_embedding`).
 EAGLE-3.1 (config `fc_norm`, `norm_output`): fc reads cat(N0(low), N1(mid), N2(high)), and the next draft
 step reads the draft's final-normed output instead of its pre-norm hidden state (`next_hidden`).
 Attention is delegated to a callable, so inference (KV cache + tree mask) and training-time test
-(causal + per-step diagonal keys) run the very same layer code.
+(causal + per-step diagonal keys) run the very same layer code. Writing, reading and the load-time checks of
+a checkpoint: `draft_checkpoint`.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import draft_checkpoint, kernels
 from .config import Eagle3Config
-from .fileio import usual_permissions
+from .draft_checkpoint import CheckpointError
 
 # attend(q [B, nH, T, D], k [B, nKV, T, D], v [B, nKV, T, D]) -> [B, nH, T, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class CheckpointError(ValueError):
-    """A draft checkpoint that does not match what it claims to be; the message names the tensor."""
 
 
 class RMSNorm(nn.Module):
@@ -325,93 +321,22 @@ class Eagle3DraftModel(nn.Module):
         return {k: tuple(v.shape) for k, v in self.state_dict().items()}
 
     def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
-        from safetensors.torch import save_file
-        os.makedirs(directory, exist_ok=True)
-        state = {}
-        for k, v in self.state_dict().items():
-            v = v.detach().cpu()
-            if dtype is not None and v.is_floating_point():
-                v = v.to(dtype)
-            state[k] = v.contiguous()
-        cfg = self.config
-        cfg.torch_dtype = str(dtype or self.fc.weight.dtype).replace("torch.", "")
-        tmp = os.path.join(directory, "model.safetensors.tmp")
-        save_file(state, tmp, metadata={"format": "pt"})
-        usual_permissions(tmp)                        # safetensors writes 0600
-        os.replace(tmp, os.path.join(directory, "model.safetensors"))
-        cfg.save(directory)
+        draft_checkpoint.save_draft(self, directory, dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None,
                         device: Optional[torch.device | str] = None) -> "Eagle3DraftModel":
         config = Eagle3Config.load(directory)
         model = cls(config)
-        model.load_state_dict(load_draft_state(directory, model.expected_shapes()))
+        model.load_state_dict(draft_checkpoint.load_draft_state(directory, model.expected_shapes()))
         if dtype is None:
             dtype = getattr(torch, config.torch_dtype, torch.float32)
         return model.to(device=device, dtype=dtype).eval()
 
     def check_runtime(self) -> None:
-        """The cheap checks check-draft makes, run when an engine loads the draft: finite weights and a
-        consistent vocabulary map (a broken one would serve at acceptance length ~1 without a word)."""
-        for name, p in self.named_parameters():
-            if not torch.isfinite(p).all():
-                raise CheckpointError(f"draft tensor {name} holds NaN or inf values")
-        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
-        ids = torch.arange(Vd, device=self.d2t.device) + self.d2t
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise CheckpointError(f"draft d2t maps draft ids outside the target vocabulary [0, {V})")
-        if ids.unique().numel() != Vd:
-            raise CheckpointError("draft d2t maps two draft ids to the same target token")
-        if int(self.t2d.sum()) != Vd or not bool(self.t2d[ids].all()):
-            raise CheckpointError("draft t2d does not mark exactly the target ids d2t maps to (d2t/t2d disagree: "
-                                  "a shifted or rebuilt vocabulary map)")
+        """The cheap checks check-draft makes, run when an engine loads the draft (draft_checkpoint)."""
+        draft_checkpoint.check_runtime(self)
 
     def check_target(self, target_config, aux_layer_ids: Optional[list[int]] = None) -> None:
         """Refuse a draft that cannot work with this target (vocab, hidden size, layer ids)."""
-        tc = getattr(target_config, "text_config", target_config)
-        c = self.config
-        if c.vocab_size != tc.vocab_size:
-            raise CheckpointError(f"draft vocab_size={c.vocab_size} but target vocab_size={tc.vocab_size} "
-                                  f"(t2d has {self.t2d.numel()} entries)")
-        if c.target_hidden_size != tc.hidden_size:
-            raise CheckpointError(f"draft target_hidden_size={c.target_hidden_size} (fc.weight "
-                                  f"{tuple(self.fc.weight.shape)}) but target hidden_size={tc.hidden_size}")
-        if c.hidden_size != tc.hidden_size:
-            raise CheckpointError(f"draft hidden_size={c.hidden_size} but the target's embedding is "
-                                  f"[{tc.vocab_size}, {tc.hidden_size}]; the draft reuses the target embedding")
-        bad = [i for i in c.aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
-        if bad:   # id i = HF output_hidden_states[i + 1]; L - 1 (final normed state) only for the 'top' ablation
-            raise CheckpointError(f"draft eagle_aux_hidden_state_layer_ids={c.aux_layer_ids} has ids {bad} outside "
-                                  f"0..{tc.num_hidden_layers - 1} for the target's {tc.num_hidden_layers} layers")
-        if aux_layer_ids is not None and list(aux_layer_ids) != list(c.aux_layer_ids):
-            raise CheckpointError(f"draft was trained on aux layers {c.aux_layer_ids} but the target runtime "
-                                  f"captures {list(aux_layer_ids)}")
-
-
-def load_draft_state(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Read model.safetensors (or sharded *.safetensors) and check names and shapes against `expected`."""
-    from safetensors.torch import load_file
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors file")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(os.path.join(directory, f)))
-    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    state.pop("embed_tokens.weight", None)   # some exports carry the (frozen) target embedding
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    if missing or extra:
-        raise CheckpointError(f"{directory}: " + "; ".join(
-            ([f"missing tensor {k} (expected shape {list(expected[k])})" for k in missing] +
-             [f"unexpected tensor {k} (shape {list(state[k].shape)})" for k in extra])))
-    for k, shape in expected.items():
-        if tuple(state[k].shape) != shape:
-            raise CheckpointError(f"{directory}: tensor {k} has shape {list(state[k].shape)}, "
-                                  f"config.json implies {list(shape)}")
-    if state["d2t"].dtype not in (torch.int64, torch.int32):
-        raise CheckpointError(f"{directory}: tensor d2t has dtype {state['d2t'].dtype}, expected int64")
-    state["d2t"] = state["d2t"].long()
-    state["t2d"] = state["t2d"].bool()
-    return state
+        draft_checkpoint.check_target(self, target_config, aux_layer_ids)
