@@ -19,7 +19,7 @@ from dataclasses import asdict
 import torch
 
 from . import formats
-from .check_target import check_aux_ids, check_target, eagle_config
+from .check_target import check_aux_ids, eagle_config, target_findings
 from .findings import ERROR, OK, WARN, Finding, Report, format_table, has_errors, positive_int
 from .formats import files
 from .formats.files import TargetError, load_target_config
@@ -300,7 +300,7 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
                                          "strict=False and keeps a random embedding, so the draft runs at a much "
                                          "lower acceptance without an error (re-export with --target)")
     if tc is not None:
-        check_target(r, c, keys, tensors or {}, fmt, raw, top, tc)
+        target_findings(r, c, keys, tensors or {}, fmt, raw, top, tc)
     else:
         check_aux_ids(r, c, keys, None)
     return r.findings

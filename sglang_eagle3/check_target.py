@@ -36,7 +36,10 @@ def _fmt_rope(r: tuple) -> str:
     return f"rope_theta={theta}, rope_type={kind}" + (f", {rest}" if rest else "")
 
 
-def check_target(r: Report, c: dict, keys: dict, tensors: dict, fmt: str, raw: dict, top, tc) -> None:
+def target_findings(r: Report, c: dict, keys: dict, tensors: dict, fmt: str, raw: dict, top, tc) -> None:
+    """Add the findings of the draft config `c` against the target config `tc` to `r`. Unlike the loader's
+    draft_checkpoint.check_target (which raises, and lets aux id L-1 through for this toolkit's 'top' ablation),
+    this grades portability: ids must be <= L-2, since SGLang and vLLM capture id i at layer i+1's input."""
     where = lambda k: keys.get(k, k)  # noqa: E731
     V, H, L = (getattr(tc, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
     if not all(positive_int(x) for x in (V, H, L)):
