@@ -56,8 +56,16 @@ bool request_tile_permission() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+// Software prefetch of the weight stream, in bytes ahead of the slice being multiplied: a slice's four B tiles are
+// one 4 KB block, i.e. one page, and the L2 streamer stops at page boundaries, so each new page started cold.
+// One slice ahead into L1 and four ahead into L2, 64 lines each (2 cores of an Intel Xeon with AMX, 30 layers of
+// SmolLM2-135M + its head, 269 MB: one row 18.1 -> 12.9 ms, 8 rows 17.9 -> 13.7 ms; T0 alone 4 KB ahead 14.3 ms,
+// every 2nd or 4th line only 17.6-18.6 ms).
+constexpr int64_t PREFETCH_L1 = 4096, PREFETCH_L2 = 16384, SLICE_BYTES = 4 * 512 * 2;
+
 // rows mb*16 .. +16 of x (its row stride Kp, a multiple of 32) against chunk c: four C tiles over KS slices,
-// then bias + bf16 rounding of the M rows that exist
+// then bias + bf16 rounding of the M rows that exist. Chunks follow one another in P, so the prefetch runs on
+// into the next chunk; later row blocks (mb > 0) read the chunk from L2 and prefetch nothing.
 inline void chunk_product(const at::BFloat16* xpad, int64_t Kp, const at::BFloat16* P, int64_t KS, int64_t c,
                           int64_t mb, int64_t M, const float* bias, at::BFloat16* y, int64_t N, float* cbuf) {
   _tile_zero(0);
@@ -67,6 +75,13 @@ inline void chunk_product(const at::BFloat16* xpad, int64_t Kp, const at::BFloat
   const at::BFloat16* a = xpad + mb * TILE_ROWS * Kp;
   const at::BFloat16* b = P + c * KS * 4 * 512;
   for (int64_t s = 0; s < KS; ++s, b += 4 * 512) {
+    if (mb == 0) {                                  // prefetches never fault, past the weight's end included
+      const char* bytes = reinterpret_cast<const char*>(b);
+      for (int64_t l = 0; l < SLICE_BYTES; l += 64) {
+        _mm_prefetch(bytes + PREFETCH_L1 + l, _MM_HINT_T0);
+        _mm_prefetch(bytes + PREFETCH_L2 + l, _MM_HINT_T1);
+      }
+    }
     _tile_loadd(4, a + s * SLICE, Kp * 2);
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
