@@ -648,16 +648,19 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     assert tune_main(base + ["--out", str(tmp_path / "s.json"), "--temperature", "1",
                              "--host-table-into", str(prof)]) == 2
     assert "no greedy table for host kind" in capsys.readouterr().err
-    # a profile whose own table says 1/1/2 everywhere; this host's table is the measured one
+    # a profile whose own table says 1/1/2 at batch 1 and 1/2/2 from batch 4 on; this host's table is the measured
+    # one at batch 1 (the size this run measured) and keeps the profile's tree at batch 4 (not measured)
     data = json.loads(prof.read_text())
-    data["per_batch_size"] = {"1": {"speculation": True, "num_steps": 1, "topk": 1, "num_draft_tokens": 2}}
+    four = {"speculation": True, "num_steps": 1, "topk": 2, "num_draft_tokens": 2}
+    data["per_batch_size"] = {"1": {"speculation": True, "num_steps": 1, "topk": 1, "num_draft_tokens": 2}, "4": four}
     prof.write_text(json.dumps(data))
     assert tune_main(base + ["--out", str(tmp_path / "h.json"), "--host-table-into", str(prof)]) == 0
     assert "added the table for" in capsys.readouterr().out
     after, measured = json.loads(prof.read_text()), json.loads((tmp_path / "h.json").read_text())
     kind = host_kind()
     assert after["per_batch_size"] == data["per_batch_size"]
-    assert after["by_host"][kind]["per_batch_size"] == measured["per_batch_size"]
+    assert after["by_host"][kind]["per_batch_size"] == {"1": measured["per_batch_size"]["1"], "4": four}
+    assert SpecProfile.load(str(prof)).for_batch_size(8) == SpecConfig(1, 2, 2)
     here, other = SpecProfile.load(str(prof)), SpecProfile.load(str(prof), host="some-other-kind")
     assert here.host == kind and f"[{kind}]" in here.source and other.host is None
     assert other.for_batch_size(1) == SpecConfig(1, 1, 2)

@@ -197,7 +197,9 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
 
 def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
     """PROFILE['by_host'][this host's kind] = this run's best trees (greedy: its per_batch_size; sampled: its
-    'sampled' table, next to a greedy one measured first). Returns the kind."""
+    'sampled' table, next to a greedy one measured first). Batch sizes this run did not measure keep the tree this
+    kind of host ran before (its by_host table, else the profile's own), so re-tuning batch 1 alone leaves the
+    others as they were. Returns the kind."""
     from ..cli import UserError
     from ..config import SpecProfile, host_kind
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
@@ -211,13 +213,21 @@ def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
         if "per_batch_size" not in entry:
             raise UserError(f"--host-table-into {path}: no greedy table for host kind {kind!r} yet "
                             "(measure it first at --temperature 0)")
+        before = (entry.get("sampled") or prof.get("sampled") or {}).get("per_batch_size") or {}
         entry["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], **measured,
-                            "per_batch_size": best}
+                            "per_batch_size": _merged(before, best)}
     else:
-        entry.update(measured, per_batch_size=best)
+        before = entry.get("per_batch_size") or prof.get("per_batch_size") or {}
+        entry.update(measured, per_batch_size=_merged(before, best))
     prof.setdefault("by_host", {})[kind] = entry
     report.write_json_atomic(path, prof)
     return kind
+
+
+def _merged(before: dict, best: dict) -> dict:
+    """{batch size: entry}: this run's best where it measured, the earlier table's elsewhere (ordered by size)."""
+    out = {**{str(k): v for k, v in before.items()}, **{str(k): v for k, v in best.items()}}
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def add_sampled_table(path: str, best: dict, setup: dict, grid_path: str) -> None:
