@@ -25,7 +25,7 @@ from sglang_eagle3.prompts import data_dir  # noqa: E402
 
 PARTS = ("speed", "step", "trees", "profile", "llamacpp", "compile", "divergence")
 FALLBACK_DEMO_TREE = SpecConfig(3, 2, 6)
-STEP_RUNTIMES = ("eager", "fused", "fused-avx512")     # the last: on AMX CPUs, the AVX-512 BF16 kernel beside it
+STEP_RUNTIMES = ("eager", "fused", "fused-avx512", "fused-amx")   # on AMX CPUs: the few-row kernel fused does not use
 
 
 def demo_tree(draft) -> SpecConfig:
@@ -126,8 +126,8 @@ def render(res, a) -> str:
     out, checks = [], []
     m = res["meta"]
     out.append(f"Target {m['target']}, {m['dtype']}, batch 1, {m['threads']} threads. eager = plain PyTorch "
-               f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default); fused-avx512 (CPUs with AMX) = "
-               f"the same with the AVX-512 BF16 few-row kernel instead of AMX tiles.")
+               f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default); on CPUs with AMX, "
+               f"fused-avx512 / fused-amx = the same with the few-row kernel the default does not use.")
     if "extension" in res:
         e = res["extension"]
         out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}"

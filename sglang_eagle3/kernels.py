@@ -134,16 +134,21 @@ def cpu_has_bf16() -> bool:
 SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (more: prefill; steps pass any_rows)
 ALL_ROWS = 1 << 62  # AVX2 without native bf16: csrc's kernel serves every product (oneDNN's bf16 is emulated there)
 SMALL_M_AMX = 128  # the same for its AMX tile kernel
-# off (default) | auto: the AMX tile kernel where the CPU has it. Off by default: on a 2-core Xeon with AMX a bf16
-# chat answered "What is the capital of France?" with other text than the AVX-512 path and transformers (each
-# product of the kernel matched F.linear on the real weights; the cause is not found yet).
-_amx = os.environ.get("EAGLE3_AMX", "off")
+# auto (default) | off: the AMX tile kernel where the CPU has it. Its bf16 decodes follow fp32 as closely as the
+# AVX-512 kernel's, PyTorch's and transformers' (bench/bench_fidelity.py: 53, 51, 47, 52 misses in 2,460 steps, all
+# where fp32's two best logits lie within 0.26), and a verify of 8 tokens costs what one token does (AVX-512: 1.55x).
+_amx = os.environ.get("EAGLE3_AMX", "auto")
+
+
+def amx_usable() -> bool:
+    """This machine can run csrc's AMX tile kernel: an AMX CPU, the OS granting tile data, a build with it."""
+    ext = extension()
+    return ext is not None and ext.amx_usable()
 
 
 def amx_active() -> bool:
-    """PackedLinears built now use csrc's AMX tile kernel (AMX CPU, OS permission, not turned off)."""
-    ext = extension()
-    return _amx != "off" and ext is not None and ext.amx_usable()
+    """PackedLinears built now use csrc's AMX tile kernel (usable here, and not turned off)."""
+    return _amx != "off" and amx_usable()
 
 
 class using_amx:
@@ -171,7 +176,7 @@ def small_m(packed: Optional[torch.Tensor] = None) -> int:
 
 class PackedLinear:
     """y = x @ W^T + b with W [N, K], decided when built (set_mode / using_amx before loading a model):
-    bf16 on a CPU with AMX: up to SMALL_M_AMX rows, csrc's tile kernel (amx_linear.cpp: 16 rows cost what one
+    bf16 on a CPU with AMX (unless EAGLE3_AMX=off): up to SMALL_M_AMX rows, csrc's tile kernel (amx_linear.cpp: 16 rows cost what one
     does); with AVX-512 BF16 only: up to SMALL_M rows, csrc's dot-product kernel (45-70 GB/s at one row on 2 cores,
     but bound by its dot products from ~4 rows on). Either way over weights packed for it, and a row's result does
     not depend on how many rows come with it;

@@ -60,17 +60,19 @@ class Runtimes:
         with kernels.using("off"):
             self.eager = TargetModel(self.hf, tok)
         self.fused = TargetModel(self.hf, tok)
-        self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto"}
-        self.fused_avx512 = None                # on an AMX CPU: the AVX-512 BF16 kernel too, side by side
-        if kernels.amx_active():
-            with kernels.using_amx(False):
-                self.fused_avx512 = TargetModel(self.hf, tok)
+        self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto", "fused-amx": "auto"}
+        self.fused_other, self.other_name = None, None   # on an AMX CPU: the few-row kernel fused does not use
+        if kernels.amx_usable():
+            amx = not kernels.amx_active()
+            with kernels.using_amx(amx):
+                self.fused_other = TargetModel(self.hf, tok)
+            self.other_name = "fused-amx" if amx else "fused-avx512"
 
     def target(self, name: str) -> TargetModel:
-        return {"eager": self.eager, "fused": self.fused, "fused-avx512": self.fused_avx512}[name]
+        return {"eager": self.eager, "fused": self.fused, self.other_name: self.fused_other}[name]
 
     def step_runtimes(self) -> list[str]:
-        return ["eager", "fused"] + (["fused-avx512"] if self.fused_avx512 is not None else [])
+        return ["eager", "fused"] + ([self.other_name] if self.fused_other is not None else [])
 
 
 def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:

@@ -1,0 +1,17 @@
+#!/usr/bin/env python
+"""bf16 greedy fidelity of each decode path (AMX, AVX-512 BF16, eager PyTorch, transformers) against transformers
+in float32, teacher-forced, with misses split by the reference's top-1/top-2 margin (see
+sglang_eagle3/bench/fidelity.py).
+
+    python bench/bench_fidelity.py [--n 20] [--tokens 64] [--paths amx,avx512,eager,transformers,float32] \
+        --out results/bench_fidelity.json
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_eagle3.bench.fidelity import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main())
