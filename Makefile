@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv test demo serve testbed regenerate data dump train bench-decode bench-acceptance bench-serving \
-        bench-llamacpp tune-spec llamacpp ablation clean
+        bench-llamacpp bench-fidelity tune-spec llamacpp ablation clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ bench-llamacpp: $(STAMP)  ## llama.cpp with and without the shipped draft vs our
 
 bench-decode: $(STAMP)  ## bench/bench_decode.py: tokens/s of transformers vs our vanilla vs speculative
 	$(BIN)/python bench/bench_decode.py --data $(DATA)
+
+bench-fidelity: $(STAMP)  ## each bf16 decode path's greedy argmax vs transformers fp32, by the reference's margin
+	$(BIN)/python bench/bench_fidelity.py --data $(DATA) --out results/bench_fidelity.json
 
 # The embedded draft's recipe, one resumable stage per target (each prints progress + ETA; rerun to resume).
 RUN    ?= $(HOME)/.cache/sglang_eagle3/runs/smollm2-v3
