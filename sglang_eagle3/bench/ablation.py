@@ -130,11 +130,7 @@ def run(argv=None) -> int:
     p.add_argument("--out", required=True, help="table JSON; the Markdown goes next to it (.md)")
     a = p.parse_args(argv)
     table = build([parse_row(r) for r in a.row], [s.strip() for s in a.sets.split(",") if s.strip()])
-    report.write_json_atomic(a.out, table)
-    md = markdown(table)
-    md_path = report.write_text_atomic(report.sibling(a.out, ".md"), md)
-    print(md)
-    print(f"wrote {os.path.abspath(a.out)}\n      {md_path}")
+    report.write_outputs(a.out, table, markdown(table))
     return 0
 
 

@@ -311,12 +311,7 @@ def run(argv=None) -> int:
     result["average"] = average_row(result["sets"])
     if base_engine is not None:
         result["baseline"]["average"] = average_row(result["baseline"]["sets"])
-    report.write_json_atomic(a.out, result)
-    md = markdown_report(result)
-    md_path = report.write_text_atomic(report.sibling(a.out, ".md"), md)
-    png = plot_histograms(result, report.sibling(a.out, "_hist.png"))
-    print(md)
-    print(f"wrote {os.path.abspath(a.out)}\n      {md_path}\n      {png}")
+    report.write_outputs(a.out, result, markdown_report(result), plot_histograms, "_hist.png")
     return 0
 
 

@@ -19,7 +19,6 @@ cache), "float32" (our runtime in fp32: should agree everywhere).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable, Optional
 
@@ -33,9 +32,9 @@ MARGIN_BINS = (0.0, 0.1, 0.25, 0.5, 1.0, float("inf"))      # fp32 top-1 minus t
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt")
-    return ids if torch.is_tensor(ids) else ids["input_ids"]                            # [1, P]
+    """[1, P]: the prompt as one user turn, encoded as the engine encodes it."""
+    from ..engine import encode_prompt
+    return torch.tensor([encode_prompt(tokenizer, [{"role": "user", "content": prompt}])])
 
 
 @torch.no_grad()
@@ -108,11 +107,8 @@ def summarize(per_prompt: list[dict]) -> dict:
 def available_paths() -> list[str]:
     """The paths this machine can run (amx needs the CPU, the OS and a build with it; avx512 needs AVX-512 BF16)."""
     from .. import kernels
-    ext = kernels.extension() if kernels.mode() != "off" else None
-    out = []
-    if ext is not None and ext.amx_usable():
-        out.append("amx")
-    if ext is not None and kernels.few_row_isa():
+    out = ["amx"] if kernels.amx_usable() else []
+    if kernels.few_row_isa():
         out.append("avx512" if kernels.cpu_has_bf16() else "avx2")
     return out + ["eager", "transformers", "float32"]
 
@@ -126,9 +122,9 @@ def path_logits(name: str, target_path: str) -> Callable[[torch.Tensor, list[int
         hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16).eval()
         return lambda ids, ref: teacher_forced_hf(hf, ids, ref)
     dtype = torch.float32 if name == "float32" else torch.bfloat16
-    with kernels.using("off" if name == "eager" else "auto"), kernels.using_amx(name == "amx"):
-        target = TargetModel.from_pretrained(target_path, dtype=dtype)
     mode = "off" if name == "eager" else "auto"
+    with kernels.using(mode), kernels.using_amx(name == "amx"):
+        target = TargetModel.from_pretrained(target_path, dtype=dtype)
 
     def run(ids, ref):
         with kernels.using(mode):
@@ -237,12 +233,7 @@ def run(argv=None) -> int:
     r = measure(target, prompts, a.tokens, paths)
     r.update({"format": FORMAT, "target": target, "prompts": len(prompts), "tokens": a.tokens,
               "threads": torch.get_num_threads(), "meta": report.run_metadata()})
-    report.write_json_atomic(a.out, r)
-    text = render(r)
-    print(text)
-    md = report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
-    png = figure(r, report.sibling(a.out, ".png"))
-    print(f"wrote {os.path.abspath(a.out)}\n      {md}\n      {png}")
+    report.write_outputs(a.out, r, render(r), figure)
     return 0
 
 

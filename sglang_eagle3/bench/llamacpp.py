@@ -171,11 +171,7 @@ def run(argv=None) -> int:
               f"{lc_tps:.1f} tok/s); ours τ {row['ours_tau']:.2f}, {row['ours_tokens_per_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
         report.write_json_atomic(a.out, result)
-    text = render(result)
-    print(text)
-    md = report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
-    png = plot(result, report.sibling(a.out, ".png"))
-    print(f"wrote {os.path.abspath(a.out)}\n      {md}\n      {png}")
+    report.write_outputs(a.out, result, render(result), plot)
     return 0
 
 

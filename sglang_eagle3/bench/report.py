@@ -116,6 +116,17 @@ def read_json(path: str) -> Any:
             raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def write_outputs(out: str, result: Any, text: str, plot=None, png_suffix: str = ".png") -> None:
+    """A benchmark's files: result as JSON at `out`, text as Markdown beside it (.md), plot(result, path) as a PNG
+    beside it when given; prints the text and where each file went."""
+    write_json_atomic(out, result)
+    print(text)
+    paths = [write_text_atomic(sibling(out, ".md"), text.rstrip("\n") + "\n")]
+    if plot is not None:
+        paths.append(plot(result, sibling(out, png_suffix)))
+    print(f"wrote {os.path.abspath(out)}" + "".join(f"\n      {p}" for p in paths))
+
+
 def sibling(path: str, suffix: str) -> str:
     """results.json + '.md' -> results.md; + '_hist.png' -> results_hist.png."""
     root, ext = os.path.splitext(path)

@@ -14,7 +14,6 @@ work each configuration does (fewer chains grown: fewer FLOPs for the same token
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -182,11 +181,7 @@ def run(argv=None) -> int:
             top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
             result["profile"][name] = [{"op": e.key, "self_ms_per_row": e.self_cpu_time_total / 1e3 / len(feats),
                                         "calls": e.count} for e in top]
-    report.write_json_atomic(a.out, result)
-    text = render(result)
-    print(text)
-    md = report.write_text_atomic(report.sibling(a.out, ".md"), text + "\n")
-    print(f"wrote {os.path.abspath(a.out)}\n      {md}")
+    report.write_outputs(a.out, result, render(result))
     return 0
 
 
