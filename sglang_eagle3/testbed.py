@@ -91,8 +91,13 @@ def prepare(root: str | None = None, force: bool = False) -> str:
 
 
 def resolve_target(name: str | None) -> str:
-    """'testbed' (or nothing) = the embedded SmolLM2 target, prepared if needed; otherwise a HF folder or hub id."""
-    return prepare() if name in (None, "", "testbed") else name
+    """'testbed' (or nothing) = the embedded SmolLM2 target, prepared if needed; otherwise a HF folder or hub id
+    (a path that does not exist, a file or a folder without config/tokenizer: a one-line UserError naming it)."""
+    if name in (None, "", "testbed"):
+        return prepare()
+    from .cli import check_target_arg
+    check_target_arg(name)
+    return name
 
 
 def add_cli(sub) -> None:

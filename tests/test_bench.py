@@ -736,6 +736,8 @@ def test_bench_fidelity_end_to_end_on_a_tiny_target(env, tmp_path, capsys):
     assert fidelity_main(["--target", env["target"], "--data", env["data"], "--paths", "tpu", "--out",
                           str(out)]) == 2
     assert "--paths tpu: not available on this machine" in capsys.readouterr().err
+    assert fidelity_main(["--target", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert f"--target {tmp_path / 'missing'}: no such folder" in capsys.readouterr().err
 
 
 def test_fidelity_summary_bins_misses_by_the_reference_margin():
