@@ -584,6 +584,36 @@ def test_bench_decode_end_to_end_on_a_tiny_target(env, tmp_path):
     assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_step_alternates_runtimes_and_sizes_within_each_repeat(monkeypatch):
+    """A slow spell must hit every runtime alike: each repeat times every runtime at every size before the next
+    repeat starts, the first two repeats are warm-up, and T=1 is always measured (costs are relative to it)."""
+    from sglang_eagle3.bench import decode as D
+    calls = []
+
+    def fake_prepared(tm, context, T, batch=1):
+        def forward():
+            calls.append((tm, T))
+            return {"a": 0.010, "b": 0.020}[tm] * (1 + T / 8)
+        return forward
+
+    class FakeRuntimes:
+        mode = {"a": "auto", "b": "auto"}
+        fused = type("T", (), {"weight_bytes": lambda self: 1_000_000})()
+
+        def step_runtimes(self):
+            return ["a", "b"]
+
+        def target(self, name):
+            return name
+    monkeypatch.setattr(D, "prepared_forward", fake_prepared)
+    monkeypatch.setattr(D, "read_bandwidth_gbs", lambda: 10.0)
+    out = D.bench_step(FakeRuntimes(), 16, [8, 2], repeats=3)
+    one_repeat = [("a", 1), ("a", 2), ("a", 8), ("b", 1), ("b", 2), ("b", 8)]
+    assert calls == one_repeat * 5 and out["alternated"] and out["repeats"] == 3
+    assert out["a"]["step_s"] == pytest.approx(0.010 * 9 / 8) and out["b"]["step_s"] == pytest.approx(0.020 * 9 / 8)
+    assert out["a"]["verify_relative"]["8"] == pytest.approx(2 / (9 / 8))
+
+
 def test_llamacpp_table_shows_each_rows_own_vanilla(tmp_path):
     """bench_llamacpp's rows carry the vanilla measured beside them; the table and the plot show it."""
     from sglang_eagle3.bench.llamacpp import plot, render

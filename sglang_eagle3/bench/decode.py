@@ -75,23 +75,31 @@ class Runtimes:
         return ["eager", "fused"] + ([self.other_name] if self.fused_other is not None else [])
 
 
-def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:
-    """Median seconds of one target forward over T new tokens per row (a chain) after `context` cached tokens."""
+def prepared_forward(tm: TargetModel, context: int, T: int, batch: int = 1):
+    """A callable that runs one target forward over T new tokens per row (a chain) after `context` cached tokens
+    (its own cache, filled once; the new tokens are never committed, so every call does the same work)."""
     cache = tm.new_cache(batch, context + T + 1)
     dev = tm.device
     ids = torch.randint(0, tm.vocab_size, (batch, context), device=dev)
     tm(cache, ids, torch.arange(context, device=dev).expand(batch, -1), want_aux=False)
     cache.commit_prefix(torch.arange(batch, device=dev), torch.full((batch,), context, device=dev))
-    new = torch.randint(0, tm.vocab_size, (batch, T), device=tm.device)
-    pos = (context + torch.arange(T, device=tm.device)).expand(batch, T)
-    sync = torch.cuda.synchronize if tm.device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(repeats + 2):
+    new = torch.randint(0, tm.vocab_size, (batch, T), device=dev)
+    pos = (context + torch.arange(T, device=dev)).expand(batch, T)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def forward() -> float:
         sync()
         t0 = time.perf_counter()
         tm(cache, new, pos, want_aux=True)
         sync()
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+    return forward
+
+
+def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:
+    """Median seconds of one target forward over T new tokens per row after `context` cached tokens."""
+    forward = prepared_forward(tm, context, T, batch)
+    times = [forward() for _ in range(repeats + 2)]
     return statistics.median(times[2:])
 
 
@@ -145,12 +153,29 @@ def bench_speed(rt: Runtimes, prompts: list[str], max_new_tokens: int) -> dict:
 
 # ---- step cost --------------------------------------------------------------------------------------
 def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) -> dict:
+    """Every runtime's forward over T tokens, for each T, timed in turn within each repeat (runtimes and sizes
+    alternated, medians over repeats): a slow spell of a shared host then hits every runtime alike, where timing
+    one runtime's repeats in a block let one spell decide a kernel comparison (the Xeon with AMX: one-token steps
+    of the two few-row kernels measured 16.7 vs 12.1 ms in one blocked run, 12.1 vs 12.4 in the next)."""
+    tree_sizes = sorted({1, *tree_sizes})                         # costs are relative to one token
     bw = read_bandwidth_gbs()
     nbytes = rt.fused.weight_bytes()
-    out = {"read_bandwidth_gbs": bw, "weight_bytes": nbytes, "floor_s": nbytes / (bw * 1e9), "context": context}
+    out = {"read_bandwidth_gbs": bw, "weight_bytes": nbytes, "floor_s": nbytes / (bw * 1e9), "context": context,
+           "alternated": True, "repeats": repeats}
+    forwards = {}
     for name in rt.step_runtimes():
         with kernels.using(rt.mode[name]):
-            cost = {T: time_forward(rt.target(name), context, T, repeats) for T in tree_sizes}
+            forwards[name] = {T: prepared_forward(rt.target(name), context, T) for T in tree_sizes}
+    times = {name: {T: [] for T in tree_sizes} for name in forwards}
+    for r in range(repeats + 2):                                   # the first two: warm-up, not kept
+        for name, by_t in forwards.items():
+            with kernels.using(rt.mode[name]):
+                for T, forward in by_t.items():
+                    t = forward()
+                    if r >= 2:
+                        times[name][T].append(t)
+    for name in forwards:
+        cost = {T: statistics.median(ts) for T, ts in times[name].items()}
         out[name] = {"step_s": cost[1], "floor_over_step": out["floor_s"] / cost[1],
                      "step_over_floor": cost[1] / out["floor_s"],
                      "verify_s": {str(T): c for T, c in cost.items()},

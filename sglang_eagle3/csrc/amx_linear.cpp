@@ -47,6 +47,9 @@ void load_tile_config(int rows) {
     cfg.rows[t] = t < 5 ? rows : TILE_ROWS;
     cfg.colsb[t] = 64;
   }
+  // GCC's ldtilecfg builtin does not tell the optimiser that it reads cfg: a configuration of constants was seen
+  // removed as dead stores (tiles left unconfigured: SIGILL at the first tile load). The barrier keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
