@@ -136,7 +136,8 @@ ALL_ROWS = 1 << 62  # AVX2 without native bf16: csrc's kernel serves every produ
 SMALL_M_AMX = 128  # the same for its AMX tile kernel
 # auto (default) | off: the AMX tile kernel where the CPU has it. Its bf16 decodes follow fp32 as closely as the
 # AVX-512 kernel's, PyTorch's and transformers' (bench/bench_fidelity.py: 53, 51, 47, 52 misses in 2,460 steps, all
-# where fp32's two best logits lie within 0.26), and a verify of 8 tokens costs what one token does (AVX-512: 1.55x).
+# where fp32's two best logits lie within 0.26); its one-token step costs what the AVX-512 kernel's does, and a verify
+# of 8 tokens 1.16x a one-token step against the AVX-512 kernel's 1.56x (bench_decode --parts step, alternated).
 _amx = os.environ.get("EAGLE3_AMX", "auto")
 
 
