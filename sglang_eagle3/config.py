@@ -256,17 +256,21 @@ class SpecProfile:
     A batch size without its own entry uses the largest measured one below it (the smallest above it if
     none is below), the routing SGLang applies to its adaptive config. A profile may also hold a table measured
     with sampling (`sampled`: tune_spec --temperature T --sampled-into PROFILE); steps with a sampling request
-    use it (sampled acceptance is lower, so its best tree is shallower)."""
+    use it (sampled acceptance is lower, so its best tree is shallower). And a table for long contexts
+    (`long_context`: {"min_tokens": N, "per_batch_size": ...}, tune_spec --long-context N --host-table-into
+    PROFILE over long prompts): greedy steps whose longest row holds at least N tokens use it (a verify's attention
+    grows with the context, so long prompts pay for a smaller tree)."""
 
     def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
                  fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None,
-                 host: Optional[str] = None):
+                 host: Optional[str] = None, long_context: Optional[tuple[int, "SpecProfile"]] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
         self.fastest = dict(fastest or {})    # batch size -> fastest measured tree where vanilla won
         self.sampled = sampled                # the table for steps with a sampling request, or None
         self.host = host                      # the by_host entry these tables came from (None: the profile's own)
+        self.long_context = long_context      # (min_tokens, the table for steps at that context or more), or None
 
     @classmethod
     def load(cls, path: str, host: Optional[str] = None) -> "SpecProfile":
@@ -281,6 +285,7 @@ class SpecProfile:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         table = prof.get("per_batch_size") if isinstance(prof, dict) else None
         sampled = prof.get("sampled") if isinstance(prof, dict) else None
+        long_context = prof.get("long_context") if isinstance(prof, dict) else None
         by_host = prof.get("by_host") if isinstance(prof, dict) else None
         source, kind = path, None
         if by_host is not None:
@@ -290,6 +295,7 @@ class SpecProfile:
             if kind in by_host:
                 entry = by_host[kind]
                 table, sampled, source = entry.get("per_batch_size"), entry.get("sampled", sampled), f"{path} [{kind}]"
+                long_context = entry.get("long_context")   # measured on another kind of host: not for this one
             else:
                 kind = None
         if sampled is not None:
@@ -298,6 +304,13 @@ class SpecProfile:
             sampled = cls._from_table(sampled.get("per_batch_size"), f"{source} (sampled)")
         profile = cls._from_table(table, source, sampled)
         profile.host = kind
+        if long_context is not None:
+            min_tokens = long_context.get("min_tokens") if isinstance(long_context, dict) else None
+            if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
+                raise ConfigError(f"{source}: 'long_context' must be an object with an integer 'min_tokens' >= 1 "
+                                  "and its own 'per_batch_size'")
+            profile.long_context = (min_tokens, cls._from_table(long_context.get("per_batch_size"),
+                                                                f"{source} (long_context)"))
         return profile
 
     @classmethod
@@ -329,19 +342,31 @@ class SpecProfile:
         below = [k for k in keys if k <= batch_size]
         return below[-1] if below else keys[0]
 
-    def for_batch_size(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
-        """The tree to run at this batch size, or None where vanilla decoding measured faster; sampled: a step
-        with a sampling request (the sampled table where the profile has one)."""
+    def _routed(self, sampled: bool, context: int) -> Optional["SpecProfile"]:
+        """The table a step uses instead of this one: the sampled table for a step with a sampling request (where
+        the profile has one), else the long-context table once the step's longest row holds enough tokens."""
         if sampled and self.sampled is not None:
-            return self.sampled.for_batch_size(batch_size)
-        return self.table[self._key(batch_size)]
+            return self.sampled
+        if self.long_context is not None and context >= self.long_context[0]:
+            return self.long_context[1]
+        return None
 
-    def measured_tree(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
+    def for_batch_size(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
+        """The tree to run at this batch size, or None where vanilla decoding measured faster; sampled: a step
+        with a sampling request (the sampled table where the profile has one); context: the tokens the step's
+        longest row holds (the long-context table from its min_tokens on)."""
+        other = self._routed(sampled, context)
+        return other.for_batch_size(batch_size) if other is not None else self.table[self._key(batch_size)]
+
+    def measured_tree(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
         """The tree to measure speculation with: the chosen one, else the fastest tree tried (vanilla won)."""
-        if sampled and self.sampled is not None:
-            return self.sampled.measured_tree(batch_size)
+        other = self._routed(sampled, context)
+        if other is not None:
+            return other.measured_tree(batch_size)
         key = self._key(batch_size)
         return self.table[key] or self.fastest.get(key)
 
     def trees(self) -> list[SpecConfig]:
-        return [t for t in self.table.values() if t is not None] + (self.sampled.trees() if self.sampled else [])
+        """Every tree a step may run (what the KV pools must have room for)."""
+        return [t for t in self.table.values() if t is not None] + (self.sampled.trees() if self.sampled else []) \
+            + (self.long_context[1].trees() if self.long_context else [])

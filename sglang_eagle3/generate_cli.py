@@ -38,8 +38,8 @@ def shipped_draft() -> str | None:
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
-def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: str = "float32", device: str = "cpu"):
-    from .draft import Eagle3DraftModel
+def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: str = "float32", device: str = "cpu",
+                profile=None):
     from .engine import SpeculativeEngine
     from .target import TargetModel
     dtype = resolve_dtype(dtype, device)
@@ -49,7 +49,7 @@ def load_engine(target: str | None, draft: str | None, spec: SpecConfig, dtype: 
     draft_model = load_draft(draft, DTYPES[dtype], device) if draft and draft != "none" else None
     aux = draft_model.config.aux_layer_ids if draft_model is not None else None
     tm = TargetModel.from_pretrained(target_path, dtype=DTYPES[dtype], device=device, aux_layer_ids=aux)
-    return SpeculativeEngine(tm, draft_model, spec)
+    return SpeculativeEngine(tm, draft_model, spec, profile)
 
 
 def load_draft(path: str, dtype, device="cpu"):

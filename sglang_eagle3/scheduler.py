@@ -164,12 +164,12 @@ class Scheduler:
                 "max_running": self.max_running}
 
     # ---- the loop ------------------------------------------------------------------------------
-    def spec_for(self, batch_size: int, sampled: bool = False) -> Optional[SpecConfig]:
+    def spec_for(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
         """The step's tree: the profile's for this many running requests (its sampled table when one of them
-        samples), else the fixed tree."""
+        samples, its long-context table when the longest holds `context` tokens or more), else the fixed tree."""
         if self.draft is None:
             return None
-        return self.profile.for_batch_size(batch_size, sampled) if self.profile else self.spec
+        return self.profile.for_batch_size(batch_size, sampled, context) if self.profile else self.spec
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""
@@ -180,9 +180,10 @@ class Scheduler:
         self._admit()
         active = [r for r in self.running if not r.finished]
         if active:
+            context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
             res = self.worker.step([r.row for r in active], [r.params for r in active],
                                    [r.generator for r in active],
-                                   self.spec_for(len(active), any(not r.params.greedy for r in active)))
+                                   self.spec_for(len(active), any(not r.params.greedy for r in active), context))
             self.stats.steps += 1
             self.stats.times.add(res.times)
             for i, (req, tokens) in enumerate(zip(active, res.emitted)):

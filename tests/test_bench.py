@@ -89,6 +89,33 @@ def test_acceptance_end_to_end(env, tmp_path, capsys):
     assert (tmp_path / "acc_hist.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_acceptance_runs_the_profiles_long_context_tree(env, tmp_path, monkeypatch):
+    """With the draft's profile (no tree flags), bench_acceptance decodes as the server would: greedy steps of rows
+    holding the long-context table's min_tokens or more run its tree; the result's config and caption say so. Here
+    every row is that long (min_tokens 1), so every speculative step runs the long-context tree."""
+    import shutil
+    from sglang_eagle3 import scheduler as S
+    from sglang_eagle3.config import SpecConfig, host_kind
+    ran = []
+    spec_for = S.Scheduler.spec_for
+    monkeypatch.setattr(S.Scheduler, "spec_for", lambda self, *a: ran.append(spec_for(self, *a)) or ran[-1]
+                        if self.draft is not None else None)
+    draft = tmp_path / "draft"
+    shutil.copytree(env["draft"], draft)
+    long = {"min_tokens": 1, "per_batch_size": {"1": {"num_steps": 1, "topk": 1, "num_draft_tokens": 2}}}
+    (draft / "spec_profile.json").write_text(json.dumps({"per_batch_size": {
+        "1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}, "by_host": {host_kind(): {
+            "per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}, "long_context": long}}}))
+    out = tmp_path / "acc.json"
+    assert acceptance_main(["--target", env["target"], "--draft", str(draft), "--n", "2", "--max-new-tokens", "6",
+                            "--ignore-eos", "--threads", "1", "--datasets", "gsm8k", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["spec"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    assert res["config"]["long_context"] == {"min_tokens": 1, "num_steps": 1, "topk": 1, "num_draft_tokens": 2}
+    assert ran and all(t == SpecConfig(1, 1, 2) for t in ran)
+    assert "from 1 tokens on, the profile's long-context tree 1/1/2" in (tmp_path / "acc.md").read_text()
+
+
 def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
     from types import SimpleNamespace
     from sglang_eagle3.bench.acceptance import bench_prompt, summarize_set
@@ -706,6 +733,37 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     prof.write_text(json.dumps(data))
     with pytest.raises(Exception, match="by_host"):
         SpecProfile.load(str(prof))
+
+
+def test_tune_long_context_table_into_a_host_table(env, tmp_path, capsys):
+    """--long-context N --host-table-into PROFILE stores the run's best trees as this host's table for steps at N
+    tokens or more (by_host[kind].long_context), next to its batch-size table, which stays as it was; without
+    --host-table-into, at --temperature > 0, or over prompts shorter than N it is refused in one line before
+    anything is measured."""
+    from sglang_eagle3.config import SpecProfile, host_kind
+    prof = tmp_path / "prof.json"
+    base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
+            "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
+            "--num-draft-tokens-grid", "2,3", "--threads", "1"]
+    assert tune_main(base + ["--out", str(prof)]) == 0
+    for extra, phrase in ((["--long-context", "4"], "needs --host-table-into"),
+                          (["--long-context", "4", "--temperature", "1", "--host-table-into", str(prof)],
+                           "greedy tables only"),
+                          (["--long-context", "0", "--host-table-into", str(prof)], "must be >= 1"),
+                          (["--long-context", "100000", "--host-table-into", str(prof)], "median of")):
+        assert tune_main(base + ["--out", str(tmp_path / "l.json"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert phrase in err.strip().splitlines()[-1], err             # one line, after any loading bars
+    assert tune_main(base + ["--out", str(tmp_path / "h.json"), "--host-table-into", str(prof)]) == 0
+    host_table = json.loads(prof.read_text())["by_host"][host_kind()]["per_batch_size"]
+    assert tune_main(base + ["--out", str(tmp_path / "l.json"), "--long-context", "2", "--host-table-into",
+                             str(prof)]) == 0                      # the tiny set's prompts: 2 tokens (median)
+    assert "at 2+ tokens" in capsys.readouterr().out
+    entry = json.loads(prof.read_text())["by_host"][host_kind()]
+    measured = json.loads((tmp_path / "l.json").read_text())["per_batch_size"]
+    assert entry["per_batch_size"] == host_table
+    assert entry["long_context"]["min_tokens"] == 2 and entry["long_context"]["per_batch_size"] == measured
+    assert SpecProfile.load(str(prof)).long_context[0] == 2
 
 
 def test_tune_reruns_the_tree_the_profile_holds(env, tmp_path, capsys):

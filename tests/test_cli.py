@@ -271,6 +271,56 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
         SpecProfile.load(str(path))
 
 
+def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
+    """A profile with a long-context table: greedy steps whose longest row holds at least min_tokens tokens take its
+    tree (the scheduler measures the longest row: prompt + output), shorter ones the batch-size table, sampled steps
+    the sampled table; its trees count for the pools' room; a long_context without an integer min_tokens is refused
+    naming it, and one under another host's by_host entry is not used on this host."""
+    import shutil
+    import torch
+    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile, host_kind
+    from sglang_eagle3.engine import SpeculativeEngine
+    from sglang_eagle3.generate_cli import load_draft
+    from sglang_eagle3.target import TargetModel
+    from sglang_eagle3.verify import SamplingParams
+    target, draft, _ = folders
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    path = tuned / "spec_profile.json"
+    table = {"per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}},
+             "sampled": {"per_batch_size": {"1": {"num_steps": 1, "topk": 2, "num_draft_tokens": 3}}},
+             "long_context": {"min_tokens": 10, "per_batch_size": {"1": {"num_steps": 1, "topk": 1,
+                                                                         "num_draft_tokens": 2},
+                                                                   "4": {"speculation": False}}}}
+    path.write_text(json.dumps(table))
+    prof = SpecProfile.load(str(path))
+    assert prof.for_batch_size(1, context=9) == SpecConfig(3, 2, 6)
+    assert prof.for_batch_size(1, context=10) == SpecConfig(1, 1, 2) and prof.for_batch_size(4, context=50) is None
+    assert prof.for_batch_size(1, sampled=True, context=50) == SpecConfig(1, 2, 3)
+    assert prof.measured_tree(1, context=10) == SpecConfig(1, 1, 2) and SpecConfig(1, 1, 2) in prof.trees()
+    tm = TargetModel.from_pretrained(target)
+    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), SpecConfig(3, 2, 6), prof)
+    sched = eng.scheduler(4, 64)
+    seen = []
+    step = sched.worker.step
+    sched.worker.step = lambda rows, params, gens, spec: seen.append(spec) or step(rows, params, gens, spec)
+    eng.generate(["w1 w2"], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    short = list(seen)
+    eng.generate([" ".join(f"w{i % 7 + 1}" for i in range(12))], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert short and all(s == SpecConfig(3, 2, 6) for s in short)
+    assert seen[len(short):] and all(s == SpecConfig(1, 1, 2) for s in seen[len(short):])
+    for bad in ({"per_batch_size": table["per_batch_size"]}, {"min_tokens": "10", "per_batch_size": {}},
+                {"min_tokens": 0, "per_batch_size": table["per_batch_size"]}):
+        path.write_text(json.dumps({**table, "long_context": bad}))
+        with pytest.raises(ConfigError, match="long_context"):
+            SpecProfile.load(str(path))
+    other = "avx2" if host_kind() != "avx2" else "amx"
+    path.write_text(json.dumps({"per_batch_size": table["per_batch_size"], "by_host": {
+        other: {**table}, host_kind(): {"per_batch_size": table["per_batch_size"]}}}))
+    assert SpecProfile.load(str(path)).long_context is None
+    assert SpecProfile.load(str(path), host=other).long_context[0] == 10
+
+
 def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
     """--dtype auto (serve, demo, benches): bfloat16 on GPUs and on CPUs where the engine computes bf16 products
     fast (AVX-512 BF16, AMX, or csrc's AVX2 kernel); float32 on other CPUs, where PyTorch's bf16 products are

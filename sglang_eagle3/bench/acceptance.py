@@ -18,6 +18,7 @@ same spell of the machine, and their tokens/s ratio per prompt needs no second b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -210,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tree_text(t: dict) -> str:
+    return "vanilla" if t.get("speculation") is False else f"{t['num_steps']}/{t['topk']}/{t['num_draft_tokens']}"
+
+
+def _long_only(profile, spec):
+    """A profile that runs `spec` below the long-context threshold and the profile's long-context table from it on
+    (bench_acceptance decodes one prompt at a time, greedy: what the server runs for such a request)."""
+    from ..config import SpecProfile
+    out = SpecProfile({1: spec}, profile.source)
+    out.long_context = profile.long_context
+    return out
+
+
 def _config(a, target: str, draft: str) -> dict:
     """The settings a stored set must share to be reused (the list of sets may grow)."""
     baseline = {"baseline_draft": os.path.abspath(a.baseline_draft)} if a.baseline_draft else {}
@@ -217,7 +231,8 @@ def _config(a, target: str, draft: str) -> dict:
             "seed": a.seed if a.temperature > 0 else None, **({"top_p": a.top_p} if a.top_p < 1 else {}),
             "n": a.n, "max_new_tokens": a.max_new_tokens,
             "ignore_eos": a.ignore_eos, "compile": a.compile,
-            "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens}}
+            "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens},
+            **({"long_context": a.long_context} if getattr(a, "long_context", None) else {})}
 
 
 def _resumable(out: str, config: dict, fresh: bool) -> tuple[dict, dict]:
@@ -262,14 +277,21 @@ def run(argv=None) -> int:
                               ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
-    spec, _, source = resolve_spec(a, draft, 1)         # records the tree that ran in a (topk=1 clamps ndt)
-    print(f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens} (from {source})",
-          file=sys.stderr)
+    spec, profile, source = resolve_spec(a, draft, 1)   # records the tree that ran in a (topk=1 clamps ndt)
+    # the profile's long-context table (greedy steps of rows that long), as the server runs it; flags: none
+    long = profile.long_context if profile is not None and a.temperature == 0 else None
+    a.long_context = None
+    if long is not None:
+        t = long[1].for_batch_size(1)
+        a.long_context = {"min_tokens": long[0], **({"speculation": False} if t is None else dataclasses.asdict(t))}
+    print(f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens} (from {source})"
+          + (f"; from {long[0]} tokens on: {_tree_text(a.long_context)}" if long else ""), file=sys.stderr)
     target = resolve_target(a.target)
     config = _config(a, target, os.path.abspath(draft))
     done, done_base = _resumable(a.out, config, a.fresh)
 
-    spec_engine = load_engine(target, draft, spec, a.dtype)
+    spec_engine = load_engine(target, draft, spec, a.dtype,
+                              profile=_long_only(profile, spec) if long is not None else None)
     van_engine = SpeculativeEngine(spec_engine.target, None)
     base_engine = load_baseline(a.baseline_draft, spec_engine, spec) if a.baseline_draft else None
     in_draft_vocab = spec_engine.draft.t2d.cpu()                      # [vocab] bool

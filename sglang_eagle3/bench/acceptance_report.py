@@ -28,12 +28,21 @@ def table_rows(result: dict) -> list[list]:
     return rows
 
 
+def _long_text(long: dict | None) -> str:
+    if not long:
+        return ""
+    tree = "vanilla" if long.get("speculation") is False else \
+        f"{long['num_steps']}/{long['topk']}/{long['num_draft_tokens']}"
+    return f" (from {long['min_tokens']} tokens on, the profile's long-context tree {tree})"
+
+
 def caption(result: dict) -> str:
     c = result["config"]
     sp = c["spec"]
     top_p = f", top_p={c['top_p']:g}" if c.get("top_p", 1) < 1 else ""
     return (f"Temperature={c['temperature']:g}{top_p}; target {c['target']}; draft {c['draft']}; dtype {c['dtype']}; "
-            f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}; "
+            f"tree num_steps={sp['num_steps']} topk={sp['topk']} num_draft_tokens={sp['num_draft_tokens']}"
+            f"{_long_text(c.get('long_context'))}; "
             f"max_new_tokens={c['max_new_tokens']}; speed-up = median over prompts of speculative/vanilla tokens/s "
             f"(same engine, alternated runs); τ = {TAU_DEFINITION}; in draft vocab = share of the vanilla run's tokens "
             f"the draft vocabulary holds (no draft token is accepted on the others).")

@@ -17,7 +17,9 @@ The best tree depends on the host: on a CPU with AMX tiles a verify of 8 tokens 
 the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens, 1.1x for 4 and ~1.7x for 8 (a Zen 3, context 256; more at longer contexts), so a draft's
 profile can hold a table per kind of host (by_host, keyed by config.host_kind(): amx, avx512_bf16, avx2, cpu, cuda). --host-table-into PROFILE stores this run's table there (with
 --temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
-table elsewhere.
+table elsewhere. With --long-context TOKENS it stores the run's trees as that host's long-context table instead
+(greedy steps whose longest row holds TOKENS or more use it: a verify's attention grows with the context); tune it
+over prompts that long (--dataset sum: CNN/DM articles, median 690 tokens with SmolLM2's chat template).
 
 Re-tuning (engine): the tree the current profile holds at each batch size (--host-table-into PROFILE's, else the
 draft's spec_profile.json's) is measured beside the grid and always run again in the confirmation, so that one noisy
@@ -168,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also store this run's best trees in PROFILE as the table for this kind of host "
                         "(by_host[amx|avx512_bf16|avx2|cpu]; with --temperature > 0 that host's sampled table), which "
                         "the engine and server use on such hosts; the rest of PROFILE stays as it is")
+    p.add_argument("--long-context", type=int, default=None, metavar="TOKENS",
+                   help="with --host-table-into PROFILE, at --temperature 0: store this run's best trees as that host's "
+                        "table for steps whose longest row holds at least TOKENS tokens (long_context), which the "
+                        "engine and server then use there; measure it over prompts that long (e.g. --dataset sum)")
     return p
 
 
@@ -189,17 +195,17 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
         return {}, None
     trees = {}
     for bs in a.batch_sizes:
-        t = prof.measured_tree(bs, sampled=a.temperature > 0)
+        t = prof.measured_tree(bs, sampled=a.temperature > 0, context=getattr(a, "long_context", None) or 0)
         if t is not None:
             trees[bs] = {"num_steps": t.num_steps, "topk": t.topk, "num_draft_tokens": t.num_draft_tokens}
     return trees, prof.source
 
 
-def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
+def add_host_table(path: str, best: dict, setup: dict, grid_path: str, long_context: int | None = None) -> str:
     """PROFILE['by_host'][this host's kind] = this run's best trees (greedy: its per_batch_size; sampled: its
-    'sampled' table, next to a greedy one measured first). Batch sizes this run did not measure keep the tree this
-    kind of host ran before (its by_host table, else the profile's own), so re-tuning batch 1 alone leaves the
-    others as they were. Returns the kind."""
+    'sampled' table, next to a greedy one measured first; long_context: its table for steps at that many tokens or
+    more, likewise). Batch sizes this run did not measure keep the tree this kind of host ran before (its by_host
+    table, else the profile's own), so re-tuning batch 1 alone leaves the others as they were. Returns the kind."""
     from ..cli import UserError
     from ..config import SpecProfile, host_kind
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
@@ -209,7 +215,13 @@ def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
     measured = {"dataset": setup["dataset"], "max_new_tokens": setup["max_new_tokens"],
                 "grid": os.path.abspath(grid_path), "cpu": report.run_metadata().get("cpu"),
                 **({"dtype": setup["dtype"]} if setup.get("dtype") else {})}
-    if setup["temperature"] > 0:
+    if long_context is not None:
+        if "per_batch_size" not in entry:
+            raise UserError(f"--host-table-into {path}: no table for host kind {kind!r} yet (tune it first, "
+                            "without --long-context)")
+        before = (entry.get("long_context") or {}).get("per_batch_size") or {}
+        entry["long_context"] = {"min_tokens": long_context, **measured, "per_batch_size": _merged(before, best)}
+    elif setup["temperature"] > 0:
         if "per_batch_size" not in entry:
             raise UserError(f"--host-table-into {path}: no greedy table for host kind {kind!r} yet "
                             "(measure it first at --temperature 0)")
@@ -222,6 +234,20 @@ def add_host_table(path: str, best: dict, setup: dict, grid_path: str) -> str:
     prof.setdefault("by_host", {})[kind] = entry
     report.write_json_atomic(path, prof)
     return kind
+
+
+def check_long_prompts(target: str, prompts: list[str], min_tokens: int, dataset: str) -> None:
+    """A long-context table must be measured where it will be used: refuse prompts whose chat-encoded median
+    length is below min_tokens (one line naming the set)."""
+    from transformers import AutoTokenizer
+    from ..cli import UserError
+    from ..engine import encode_prompt
+    tok = AutoTokenizer.from_pretrained(target)
+    lengths = sorted(len(encode_prompt(tok, [{"role": "user", "content": p}])) for p in prompts)   # as tune runs them
+    median = lengths[len(lengths) // 2]
+    if median < min_tokens:
+        raise UserError(f"--long-context {min_tokens}: the prompts of --dataset {dataset} have a median of {median} "
+                        "tokens; measure the long-context table over prompts at least that long (e.g. --dataset sum)")
 
 
 def _merged(before: dict, best: dict) -> dict:
@@ -288,12 +314,18 @@ def run(argv=None) -> int:
     if a.host_table_into is not None and (a.sglang_url or not os.path.isfile(a.host_table_into)):
         raise UserError(f"--host-table-into {a.host_table_into}: " + ("our engine's tables only (not --sglang-url)"
                         if a.sglang_url else "no such profile (write the profile first)"))
+    if a.long_context is not None and (a.long_context < 1 or a.host_table_into is None or a.temperature > 0):
+        raise UserError(f"--long-context {a.long_context}: " + (
+            "must be >= 1" if a.long_context < 1 else "needs --host-table-into PROFILE (it adds a table to that host's)"
+            if a.host_table_into is None else "greedy tables only (--temperature 0)"))
     if not 0 <= a.adaptive_tolerance < 1:
         raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
     if a.threads:
         torch.set_num_threads(a.threads)
     (dataset,) = resolve_sets([a.dataset], a.data).values()
     prompts = [t[0] for t in load_prompts(dataset, limit=max(a.n, max(a.batch_sizes)))]
+    if a.long_context is not None:
+        check_long_prompts(resolve_target(a.target), prompts, a.long_context, a.dataset)
     setup = {"dataset": os.path.abspath(dataset), "n": a.n, "max_new_tokens": a.max_new_tokens,
              "temperature": a.temperature, "seed": a.seed if a.temperature > 0 else None, "ignore_eos": a.ignore_eos}
     incumbent_source = None
@@ -345,7 +377,8 @@ def run(argv=None) -> int:
     report.write_json_atomic(a.out, profile)
     if a.sampled_into is not None:
         add_sampled_table(a.sampled_into, best, setup, grid_path)
-    host = add_host_table(a.host_table_into, best, setup, grid_path) if a.host_table_into is not None else None
+    host = add_host_table(a.host_table_into, best, setup, grid_path, a.long_context) \
+        if a.host_table_into is not None else None
     text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
@@ -371,7 +404,8 @@ def run(argv=None) -> int:
     print(f"wrote {os.path.abspath(a.out)}\n      {grid_path}\n      {md}\n      {png}"
           + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})")
           + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else "")
-          + (f"\nadded the table for {host} hosts to {os.path.abspath(a.host_table_into)}" if host else ""))
+          + (f"\nadded the table for {host} hosts" + (f" at {a.long_context}+ tokens" if a.long_context else "")
+             + f" to {os.path.abspath(a.host_table_into)}" if host else ""))
     return 0
 
 
