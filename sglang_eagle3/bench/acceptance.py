@@ -25,7 +25,7 @@ import time
 from collections import Counter
 
 from . import report, run_cli
-from .acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms
+from .acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms, tree_text
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
 DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
@@ -211,17 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tree_text(t: dict) -> str:
-    return "vanilla" if t.get("speculation") is False else f"{t['num_steps']}/{t['topk']}/{t['num_draft_tokens']}"
-
-
 def _long_only(profile, spec):
     """A profile that runs `spec` below the long-context threshold and the profile's long-context table from it on
     (bench_acceptance decodes one prompt at a time, greedy: what the server runs for such a request)."""
     from ..config import SpecProfile
-    out = SpecProfile({1: spec}, profile.source)
-    out.long_context = profile.long_context
-    return out
+    return SpecProfile({1: spec}, profile.source, long_context=profile.long_context)
 
 
 def _config(a, target: str, draft: str) -> dict:
@@ -285,7 +279,7 @@ def run(argv=None) -> int:
         t = long[1].for_batch_size(1)
         a.long_context = {"min_tokens": long[0], **({"speculation": False} if t is None else dataclasses.asdict(t))}
     print(f"tree num_steps={spec.num_steps} topk={spec.topk} num_draft_tokens={spec.num_draft_tokens} (from {source})"
-          + (f"; from {long[0]} tokens on: {_tree_text(a.long_context)}" if long else ""), file=sys.stderr)
+          + (f"; from {long[0]} tokens on: {tree_text(a.long_context)}" if long else ""), file=sys.stderr)
     target = resolve_target(a.target)
     config = _config(a, target, os.path.abspath(draft))
     done, done_base = _resumable(a.out, config, a.fresh)

@@ -28,12 +28,13 @@ def table_rows(result: dict) -> list[list]:
     return rows
 
 
+def tree_text(t: dict) -> str:
+    """A profile entry as steps/topk/tokens, or 'vanilla' where it does not speculate."""
+    return "vanilla" if t.get("speculation") is False else f"{t['num_steps']}/{t['topk']}/{t['num_draft_tokens']}"
+
+
 def _long_text(long: dict | None) -> str:
-    if not long:
-        return ""
-    tree = "vanilla" if long.get("speculation") is False else \
-        f"{long['num_steps']}/{long['topk']}/{long['num_draft_tokens']}"
-    return f" (from {long['min_tokens']} tokens on, the profile's long-context tree {tree})"
+    return f" (from {long['min_tokens']} tokens on, the profile's long-context tree {tree_text(long)})" if long else ""
 
 
 def caption(result: dict) -> str:
