@@ -17,7 +17,7 @@ $(STAMP): setup.py requirements.txt $(wildcard requirements-*.txt)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	@if [ -f requirements-sglang.txt ]; then $(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements-sglang.txt; fi
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
-	$(BIN)/python -c "from sglang_eagle3 import kernels; s = kernels.status(); print('C++ kernels:', f\"built (few-row linears: {s['few_row_kernel']})\" if s['extension'] else s['extension_error'])"
+	$(BIN)/python -m sglang_eagle3.kernels.extension
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create/refresh the project venv (.venv)
@@ -25,13 +25,15 @@ venv: $(STAMP)  ## create/refresh the project venv (.venv)
 testbed: $(STAMP)  ## prepare the embedded target (SmolLM2-135M-Instruct) and print its path
 	$(BIN)/eagle3 testbed
 
-test: $(STAMP)  ## run the whole test suite
+test: $(STAMP)  ## run the whole test suite: import contracts (.importlinter), ruff, then pytest
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
 	$(BIN)/eagle3 testbed >/dev/null
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 demo: $(STAMP)  ## speculative decoding on the embedded target: text + stats
 	$(BIN)/eagle3 testbed
-	$(BIN)/python -m sglang_eagle3.demo --data $(DATA)
+	$(BIN)/python -m sglang_eagle3.bench.demo --data $(DATA)
 
 serve: $(STAMP)  ## OpenAI-compatible server on 127.0.0.1:30000: embedded target + shipped draft (our engine)
 	$(BIN)/eagle3 testbed
@@ -41,7 +43,7 @@ bench-serving: $(STAMP)  ## starts our server (vanilla and EAGLE-3), sweeps conc
 	$(BIN)/python bench/bench_serving.py --start builtin --data $(DATA) --out results/bench_serving.json
 
 llamacpp: $(STAMP)  ## build the pinned llama.cpp (llama-cpp-python 0.3.36's vendored tree) into the cache (~20 min)
-	$(BIN)/python -m sglang_eagle3.llamacpp
+	$(BIN)/python -m sglang_eagle3.formats.llamacpp
 
 bench-llamacpp: $(STAMP)  ## llama.cpp with and without the shipped draft vs our engine (needs make llamacpp)
 	$(BIN)/python bench/bench_llamacpp.py --data $(DATA) --out results/bench_llamacpp.json

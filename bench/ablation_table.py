@@ -4,12 +4,7 @@
     python bench/ablation_table.py --row "EAGLE-3=results/abl_fused.json" --row "top layer=results/abl_top.json" \
         --sets mt_bench,gsm8k --out results/ablation.json
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_eagle3.bench.ablation import main  # noqa: E402
+from sglang_eagle3.bench.ablation import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,12 +4,7 @@
     python bench/bench_acceptance.py --target testbed --draft D --datasets mt_bench,humaneval,gsm8k,alpaca,sum \
         --n 10 --max-new-tokens 256 --out results/acceptance.json
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_eagle3.bench.acceptance import main  # noqa: E402
+from sglang_eagle3.bench.acceptance import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

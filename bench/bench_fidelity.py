@@ -6,12 +6,7 @@ sglang_eagle3/bench/fidelity.py).
     python bench/bench_fidelity.py [--n 20] [--tokens 64] [--paths amx,avx512,eager,transformers,float32] \
         --out results/bench_fidelity.json
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_eagle3.bench.fidelity import main  # noqa: E402
+from sglang_eagle3.bench.fidelity import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,12 +5,7 @@ OpenAI-compatible servers such as SGLang's (same client, same requests).
     python bench/bench_serving.py --start builtin --concurrency 1,2,4,8,16,32,64 --out results/bench_serving.json
     python bench/bench_serving.py --url vanilla=http://127.0.0.1:30000/v1 --url EAGLE-3=http://127.0.0.1:30001/v1
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_eagle3.bench.serving import main  # noqa: E402
+from sglang_eagle3.bench.serving import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

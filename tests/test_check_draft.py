@@ -7,14 +7,14 @@ import os
 
 import pytest
 import torch
+from conftest import edit_tensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import edit_tensors
-from sglang_eagle3.check_draft import ERROR, OK, WARN, add_cli, check_draft, format_table, has_errors
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.formats.check_draft import ERROR, OK, WARN, add_cli, check_draft, format_table, has_errors
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
 
 V, VD, H, L = 300, 100, 64, 8
 
@@ -371,7 +371,7 @@ def test_reduced_vocab_without_d2t_fails(draft, target):
 
 @pytest.fixture
 def spec_draft(tmp_path, draft, target):
-    from sglang_eagle3.formats import export_draft
+    from sglang_eagle3.formats.convert import export_draft
     out = str(tmp_path / "spec")
     export_draft(draft, "speculators", out, target=target)
     return out

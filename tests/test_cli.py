@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import save_tiny_model_folder
+
 from sglang_eagle3.cli import main
 
 
@@ -37,10 +37,30 @@ def test_generate_json_spec_equals_vanilla(folders, capsys, tmp_path):
     van = run_json(capsys, *common, "--draft", "none")
     assert [o["token_ids"] for o in spec["outputs"]] == [o["token_ids"] for o in van["outputs"]]
     assert spec["outputs"][0]["prompt"] == [{"role": "user", "content": "w1 w2 w3"}]
+    # the two-turn row is a conversation: its second turn is asked after the model's own first answer
+    assert [(o["row"], o["turn"]) for o in spec["outputs"]] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    second = spec["outputs"][1]["prompt"]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"] and second[2]["content"] == "w9"
+    assert second[1]["content"] == spec["outputs"][0]["text"]
     s = spec["stats"]
     assert set(s) >= {"accept_length", "tokens_per_s", "verify_steps", "generated_tokens"}
-    assert s["generated_tokens"] == 36 and s["accept_length"] == pytest.approx(36 / s["verify_steps"])
+    assert s["generated_tokens"] == 48 and s["accept_length"] == pytest.approx(48 / s["verify_steps"])
     assert van["stats"]["accept_length"] == 1.0
+    first = run_json(capsys, *common, "--draft", "none", "--first-turn-only")
+    assert [(o["row"], o["turn"]) for o in first["outputs"]] == [(0, 0), (1, 0), (2, 0)]
+    assert first["outputs"][0]["token_ids"] == van["outputs"][0]["token_ids"]
+
+
+def test_generate_refuses_multi_turn_rows_without_chat_and_limits_below_one(folders, capsys, tmp_path):
+    target, _, _ = folders
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"turns": ["w1 w2", "w3"]}) + "\n")
+    for extra, said in ((["--limit", "0"], "--limit must be >= 1, got 0"),
+                        (["--limit", "-1"], "--limit must be >= 1, got -1"),
+                        ([], "row 1 has 2 turns; decode them as a conversation with --chat, or pass --first-turn-only")):
+        assert main(["generate", "--target", target, "--draft", "none", "--prompts-file", str(pf), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and said in err, err
 
 
 def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, capsys, tmp_path):
@@ -54,8 +74,9 @@ def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, caps
     t = run_json(capsys, *common)["tree"]
     assert (t["num_steps"], t["topk"], t["num_draft_tokens"], t["adaptive"]) == (2, 1, 3, True)
     assert "spec_profile.json" in t["source"]
-    t = run_json(capsys, *common, "--topk", "2")["tree"]           # a flag: fixed tree, the rest from the default
-    assert (t["num_steps"], t["topk"], t["num_draft_tokens"], t["adaptive"], t["source"]) == (5, 2, 16, False, "flags")
+    t = run_json(capsys, *common, "--topk", "2")["tree"]           # a flag: fixed tree, the rest from the profile's
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"], t["adaptive"]) == (2, 2, 3, False)
+    assert t["source"].startswith("flags --topk 2 over ") and "spec_profile.json" in t["source"]
     t = run_json(capsys, "--target", target, "--prompt", "w1", "--max-new-tokens", "2", "--draft", draft)["tree"]
     assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (5, 4, 16)     # no profile: SGLang's default
     (tuned / "spec_profile.json").write_text("{not json")
@@ -66,7 +87,9 @@ def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, caps
 
 def test_profile_where_vanilla_won_measures_with_its_fastest_tree(folders, capsys, tmp_path):
     import shutil
-    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile
+
+    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+    from sglang_eagle3.models.config import ConfigError
     target, draft, _ = folders
     tuned = tmp_path / "tuned"
     shutil.copytree(draft, tuned)
@@ -77,6 +100,12 @@ def test_profile_where_vanilla_won_measures_with_its_fastest_tree(folders, capsy
     prof = SpecProfile.load(str(path))
     assert prof.for_batch_size(1) is None                       # the engine decodes without a draft there
     assert prof.measured_tree(2) == SpecConfig(2, 1, 3) and prof.measured_tree(8) is None
+    out = run_json(capsys, "--target", target, "--prompt", "w1 w2", "--max-new-tokens", "4", "--draft", str(tuned))
+    assert out["tree"] is None and out["draft"] == "none"       # vanilla won everywhere: the draft is not loaded
+    assert "chooses no speculation at any batch size" in out["source"]
+    path.write_text(json.dumps({"per_batch_size": {
+        "1": {"speculation": False, "best_tree": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}},
+        "4": {"num_steps": 1, "topk": 1, "num_draft_tokens": 2}}}))
     t = run_json(capsys, "--target", target, "--prompt", "w1 w2", "--max-new-tokens", "4", "--draft", str(tuned))["tree"]
     assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (2, 1, 3) and "vanilla measured faster" in t["source"]
     path.write_text(json.dumps({"per_batch_size": {"1": {"speculation": False, "best_tree": {"topk": 1}}}}))
@@ -98,7 +127,7 @@ def test_generate_errors_are_one_line(folders, capsys, tmp_path):
     assert main(["generate", "--target", target, "--prompt", "w1", "--num-steps", "0"]) == 2
     assert "--num-steps must be >= 1" in capsys.readouterr().err
     assert main(["generate", "--target", target, "--prompt", "w1", "--top-p", "0"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1], got 0.0" in capsys.readouterr().err
 
 
 def test_console_script_runs(folders):
@@ -140,7 +169,7 @@ def last_line(capsys) -> str:
 
 # ---- issue: defaults that mislead, reruns that destroy work, tracebacks -------------------------------------
 def test_generate_uses_the_shipped_draft_for_the_embedded_target(capsys, smollm2_path):
-    from sglang_eagle3.generate_cli import shipped_draft
+    from sglang_eagle3.paths import shipped_draft
     if shipped_draft() is None:
         pytest.skip("no shipped draft in this checkout")
     assert main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4", "--json"]) == 0
@@ -157,11 +186,24 @@ def test_init_draft_refuses_a_non_empty_folder(folders, tmp_path, capsys):
     (out / "README.md").write_text("a trained draft")
     before = (out / "model.safetensors").read_bytes()
     capsys.readouterr()
+    (out / "notes.txt").write_text("my notes")
+    (tmp_path / "beside.txt").write_text("beside")
     assert main(["init-draft", "--target", target, "--out", str(out), "--draft-vocab-size", "48", "--seed", "5"]) == 2
-    assert "not empty" in capsys.readouterr().err and (out / "model.safetensors").read_bytes() == before
+    err = capsys.readouterr().err
+    assert "holds a draft" in err and "pass --force to replace its weights and config.json" in err
+    assert (out / "model.safetensors").read_bytes() == before
     assert main(["init-draft", "--target", target, "--out", str(out), "--draft-vocab-size", "48", "--seed", "5",
                  "--force"]) == 0
-    assert not (out / "README.md").exists() and (out / "model.safetensors").read_bytes() != before
+    # --force does what it says: the weights and config.json are new, every other file is where it was
+    assert (out / "model.safetensors").read_bytes() != before
+    assert (out / "README.md").read_text() == "a trained draft" and (out / "notes.txt").read_text() == "my notes"
+    assert (tmp_path / "beside.txt").read_text() == "beside"
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
+    assert "kept README.md, notes.txt" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("x")
+    assert main(["init-draft", "--target", target, "--out", str(tmp_path / "other")]) == 2
+    assert "is not empty and holds no draft" in capsys.readouterr().err
 
 
 def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path, capsys):
@@ -187,6 +229,7 @@ def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path, caps
                                   "nan-draft", "shifted-d2t", "empty-stop", "file-as-target"])
 def test_bad_inputs_are_one_line_errors(case, folders, tmp_path, capsys):
     import shutil
+
     from conftest import edit_tensors
     target, draft, _ = folders
     d = tmp_path / "draft"
@@ -233,12 +276,15 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
     step with a sampling request) take its tree, greedy ones the greedy tree; a profile without one, the greedy
     tree for both; a malformed one is refused naming 'sampled'."""
     import shutil
+
     import torch
-    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile
-    from sglang_eagle3.engine import SpeculativeEngine
-    from sglang_eagle3.generate_cli import load_draft
-    from sglang_eagle3.target import TargetModel
-    from sglang_eagle3.verify import SamplingParams
+
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_draft
+    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+    from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.models.config import ConfigError
+    from sglang_eagle3.models.target import TargetModel
     target, draft, _ = folders
     tuned = tmp_path / "tuned"
     shutil.copytree(draft, tuned)
@@ -277,12 +323,15 @@ def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
     the sampled table; its trees count for the pools' room; a long_context without an integer min_tokens is refused
     naming it, and one under another host's by_host entry is not used on this host."""
     import shutil
+
     import torch
-    from sglang_eagle3.config import ConfigError, SpecConfig, SpecProfile, host_kind
-    from sglang_eagle3.engine import SpeculativeEngine
-    from sglang_eagle3.generate_cli import load_draft
-    from sglang_eagle3.target import TargetModel
-    from sglang_eagle3.verify import SamplingParams
+
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_draft
+    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, host_kind
+    from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.models.config import ConfigError
+    from sglang_eagle3.models.target import TargetModel
     target, draft, _ = folders
     tuned = tmp_path / "tuned"
     shutil.copytree(draft, tuned)
@@ -325,21 +374,21 @@ def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
     """--dtype auto (serve, demo, benches): bfloat16 on GPUs and on CPUs where the engine computes bf16 products
     fast (AVX-512 BF16, AMX, or csrc's AVX2 kernel); float32 on other CPUs, where PyTorch's bf16 products are
     emulated (several times slower than fp32). Explicit names pass through."""
-    from sglang_eagle3 import kernels
-    from sglang_eagle3.config import host_kind
-    from sglang_eagle3.generate_cli import resolve_dtype
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma f16c")
-    monkeypatch.setattr(kernels, "few_row_isa", lambda: "avx2")
+    from sglang_eagle3.engine.settings import resolve_dtype
+    from sglang_eagle3.engine.speculation import host_kind
+    from sglang_eagle3.kernels import extension
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma f16c")
+    monkeypatch.setattr(extension, "few_row_isa", lambda: "avx2")
     assert resolve_dtype("auto") == "bfloat16"                   # csrc's AVX2 kernel
-    with kernels.using("off"):
+    with extension.using("off"):
         assert resolve_dtype("auto") == "float32"                # --compile off: PyTorch's emulated bf16
-    monkeypatch.setattr(kernels, "few_row_isa", lambda: "")      # no extension (no compiler)
+    monkeypatch.setattr(extension, "few_row_isa", lambda: "")      # no extension (no compiler)
     assert resolve_dtype("auto") == "float32" and resolve_dtype("auto", "cuda:0") == "bfloat16"
     assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32", "cuda") == "float32"
-    monkeypatch.setattr(kernels, "status", lambda: {"few_row_kernel": "avx2"})
+    monkeypatch.setattr(extension, "few_row_kernel", lambda: "avx2")
     assert host_kind() == "avx2" and host_kind("cuda") == "cuda"
-    monkeypatch.setattr(kernels, "status", lambda: {"few_row_kernel": None})   # no extension: fp32, no bf16 table
+    monkeypatch.setattr(extension, "few_row_kernel", lambda: None)   # no extension: fp32, no bf16 table
     assert host_kind() == "cpu"
     for flags in ("flags : avx2 avx512f avx512_bf16", "flags : avx512_bf16 amx_bf16 amx_tile"):
-        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
+        monkeypatch.setattr(extension, "cpu_flags", lambda f=flags: f)
         assert resolve_dtype("auto") == "bfloat16"

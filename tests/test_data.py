@@ -6,9 +6,20 @@ import os
 
 import pytest
 
-from sglang_eagle3.data import (BadRow, ChatRenderer, ChatTemplateError, Conversation, DataError, load_tokenized,
-                                normalise, parse_source, prepare_dataset, read_source, read_stats)
-from sglang_eagle3.data.build import apply_length, distinct_ngram_ratio, iter_tokenized, loop_start
+from sglang_eagle3.training.data import (
+    BadRow,
+    ChatRenderer,
+    ChatTemplateError,
+    Conversation,
+    DataError,
+    load_tokenized,
+    normalise,
+    parse_source,
+    prepare_dataset,
+    read_source,
+    read_stats,
+)
+from sglang_eagle3.training.data.build import apply_length, distinct_ngram_ratio, iter_tokenized, loop_start
 
 # ---- tiny tokenizers with the chat templates of common families --------------------------------
 CORPUS = ["Hello there, how are you today?", "I am fine, thanks. What is 2 + 2?", "The answer is 4.",
@@ -213,7 +224,7 @@ def test_no_chat_template_is_an_error():
 
 # ---- the real SmolLM2 tokenizer (skips when the testbed has not been prepared) ---------------------
 def smollm2_tokenizer():
-    from sglang_eagle3.testbed import is_ready, testbed_path
+    from sglang_eagle3.models.testbed import is_ready, testbed_path
     if not is_ready(testbed_path()):
         pytest.skip("SmolLM2 testbed not prepared (run `eagle3 testbed`)")
     from transformers import AutoTokenizer
@@ -464,7 +475,7 @@ REAL = {"sharegpt_1k.jsonl": 1000, "alpaca_en_demo.json": 999, "glaive_toolcall_
 
 
 def test_real_training_files_load():
-    from sglang_eagle3.prompts import data_dir
+    from sglang_eagle3.paths import data_dir
     root = os.path.join(data_dir(), "train")
     if not os.path.isdir(root):
         pytest.skip("shared data not present")
@@ -484,7 +495,7 @@ def test_real_training_files_load():
 
 
 def test_real_files_render_with_smollm2(tmp_path):
-    from sglang_eagle3.prompts import data_dir
+    from sglang_eagle3.paths import data_dir
     tok = smollm2_tokenizer()
     root = os.path.join(data_dir(), "train")
     if not os.path.isdir(root):
@@ -530,7 +541,7 @@ def test_hub_load_failure_is_one_line_error(monkeypatch):
 
 
 def test_same_file_name_in_two_folders_gets_distinct_names(tmp_path):
-    from sglang_eagle3.data import parse_sources
+    from sglang_eagle3.training.data import parse_sources
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     pa = write_jsonl(tmp_path / "a" / "train.jsonl", [{"question": "q", "answer": "a"}])

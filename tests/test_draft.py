@@ -4,11 +4,11 @@ import os
 
 import pytest
 import torch
+from conftest import edit_tensors, random_draft, tiny_target
 from safetensors.torch import load_file
 
-from conftest import edit_tensors, random_draft, tiny_target
-from sglang_eagle3.config import ConfigError, Eagle3Config
-from sglang_eagle3.draft import CheckpointError, Eagle3DraftModel
+from sglang_eagle3.models.config import ConfigError, Eagle3Config
+from sglang_eagle3.models.draft import CheckpointError, Eagle3DraftModel
 
 SGLANG_NAMES = {
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -107,6 +107,7 @@ def test_vocab_and_hidden_mismatch_with_target_refused(saved):
 
 def test_init_draft_cli(tmp_path):
     from conftest import save_tiny_model_folder
+
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "t")
     assert main(["init-draft", "--target", target, "--out", str(tmp_path / "d"), "--draft-vocab-size", "32"]) == 0
@@ -117,7 +118,7 @@ def test_init_draft_cli(tmp_path):
 def test_linear_rows_pads_bf16_cpu_products_to_a_bucket_and_keeps_values_and_gradients():
     """bf16 autocast on CPU: the layer sees a multiple of ROW_BUCKET rows (oneDNN reuses its kernel per shape),
     the caller sees its own rows, and the weight gradient equals the unpadded product's."""
-    from sglang_eagle3.draft import ROW_BUCKET, linear_rows
+    from sglang_eagle3.models.draft import ROW_BUCKET, linear_rows
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 40, bias=False)
     seen = []

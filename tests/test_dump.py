@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_eagle3 import hidden_dump as hd
-from sglang_eagle3.dump_reader import DumpError, HiddenStateDump
-from sglang_eagle3.hidden_dump import dump_hidden_states
+from sglang_eagle3.training import hidden_dump as hd
+from sglang_eagle3.training.dump_reader import DumpError, HiddenStateDump
+from sglang_eagle3.training.hidden_dump import dump_hidden_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, LAYERS = 64, 32, 8
@@ -36,7 +36,7 @@ def make_tiny_target(path, seed=0, head_std=None):
 
 
 def load_target(path, aux=None):
-    from sglang_eagle3.target import TargetModel
+    from sglang_eagle3.models.target import TargetModel
     return TargetModel.from_pretrained(path, dtype=torch.float32, aux_layer_ids=aux)
 
 
@@ -185,7 +185,7 @@ def test_two_ranks_via_cli_then_verification_errors(tiny, tmp_path, capsys):
 
 
 def test_prepared_dataset_dir_is_read(tmp_path):
-    from sglang_eagle3.data.build import write_examples
+    from sglang_eagle3.training.data.build import write_examples
     rows = make_rows(3)
     d = tmp_path / "prep"
     d.mkdir()

@@ -1,12 +1,13 @@
 """Greedy speculative decoding is token-identical to the target's own greedy decode."""
 import pytest
 import torch
-
 from conftest import random_draft, tiny_target
-from sglang_eagle3.config import Eagle3Config, SpecConfig
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.engine import SpeculativeEngine
-from sglang_eagle3.verify import SamplingParams
+
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
 
 SPECS = [SpecConfig(1, 1, 2), SpecConfig(4, 1, 5), SpecConfig(3, 3, 8), SpecConfig(5, 4, 16), SpecConfig(2, 8, 40)]
 
@@ -157,7 +158,7 @@ def test_max_new_tokens_one_and_stats():
 
 
 def test_draft_for_another_target_is_refused():
-    from sglang_eagle3.draft import CheckpointError
+    from sglang_eagle3.models.draft import CheckpointError
     tm, _ = tiny_target("llama")
     other, _ = tiny_target("llama", vocab_size=80)
     with pytest.raises(CheckpointError, match="vocab_size"):
@@ -167,7 +168,7 @@ def test_draft_for_another_target_is_refused():
 def test_steps_without_speculation_keep_the_draft_in_sync():
     """A row decoded without speculation (profile: no tree at this batch size) holds its draft pairs back and
     runs them later: its draft KV and state end up what speculating all along gives, and outputs stay lossless."""
-    from sglang_eagle3.spec_worker import PENDING_MAX, SpecWorker
+    from sglang_eagle3.engine.spec_worker import PENDING_MAX, SpecWorker
     tm, _ = tiny_target("llama", logit_scale=4.0)
     draft = random_draft(tm, draft_vocab_size=48)
     draft.set_embedding(tm.embed_tokens)
@@ -200,7 +201,8 @@ def test_incremental_detokenizer_matches_full_decode(smollm2_path):
     """Token by token (and in uneven groups, as speculative steps emit them), the streamed text equals the full
     decode, multi-byte characters split across tokens included."""
     from transformers import AutoTokenizer
-    from sglang_eagle3.scheduler import IncrementalDetokenizer
+
+    from sglang_eagle3.engine.scheduler import IncrementalDetokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     text = "Grüße aus Köln! 你好，世界 🚀🔥 — naïve café, ½ + ¼ = ¾.\n  def f(x):\n\treturn x**2"
     ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_eagle3.check_draft import has_errors, check_draft
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.formats import (FORMATS, FormatError, detect_format, export_draft, import_draft, read_folder)
+from sglang_eagle3.formats.check_draft import check_draft, has_errors
 from sglang_eagle3.formats.cli import add_cli
+from sglang_eagle3.formats.convert import export_draft, import_draft
+from sglang_eagle3.formats.layouts import FORMATS, FormatError, detect_format, read_folder
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
 
 V, H, L = 300, 64, 8
 

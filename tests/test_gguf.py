@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from sglang_eagle3 import llamacpp
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.formats import llamacpp
 from sglang_eagle3.formats.gguf import GGUFExportError, export_gguf, read_gguf
-from sglang_eagle3.testbed import resolve_target
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.models.testbed import resolve_target
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +93,10 @@ needs_build = pytest.mark.skipif(not llamacpp.is_built(), reason="no llama.cpp b
 def test_llamacpp_runs_our_draft_losslessly_and_accepts_its_tokens(target, tmp_path):
     """Greedy llama.cpp output with our draft equals llama.cpp's own greedy output without it; a trained draft
     gets more of its tokens accepted than a random one."""
-    from sglang_eagle3.bench.llamacpp import chat_text, ensure_ggufs, run_speculative
-    from sglang_eagle3.generate_cli import shipped_draft
     from transformers import AutoTokenizer
+
+    from sglang_eagle3.bench.llamacpp import chat_text, ensure_ggufs, run_speculative
+    from sglang_eagle3.paths import shipped_draft
     tok = AutoTokenizer.from_pretrained(target)
     tgg, dgg = ensure_ggufs(target, shipped_draft())
     rand, _ = make_draft(tmp_path / "random", target)

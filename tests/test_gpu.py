@@ -5,11 +5,11 @@ speculative decoding with a random draft stays identical to vanilla.
 """
 import pytest
 import torch
-
 from conftest import random_draft, tiny_target
-from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.engine import SpeculativeEngine
-from sglang_eagle3.verify import SamplingParams
+
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU path needs one)")
 

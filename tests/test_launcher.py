@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from sglang_eagle3 import launcher, sglang_compat
 from sglang_eagle3.cli import main as eagle3_main
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.serving import launcher, sglang_compat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = {"per_batch_size": {"1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
@@ -75,7 +75,9 @@ def test_default_command_parses_in_sglang(capsys, folders):
     assert args.speculative_algorithm == "EAGLE3"
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 4, 16)
     assert args.attention_backend == "flashinfer"
-    assert (args.cuda_graph_max_bs_decode, args.max_running_requests) == (1, 1)
+    # SGLang's own concurrency defaults (no cap asked for): neither flag is passed
+    assert "--max-running-requests" not in cmd and "--cuda-graph-max-bs-decode" not in cmd
+    assert (args.cuda_graph_max_bs_decode, args.max_running_requests) == (None, None)
     assert (args.port, args.tp_size, args.mem_fraction_static) == (30001, 1, 0.8)      # passed through
 
 
@@ -204,7 +206,7 @@ def test_launches_the_composed_command(capsys, folders, monkeypatch):
     (cmd,) = calls
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"] and cmd[-2:] == ["--port", "30002"]
     assert cmd[-4:-2] == ["--host", "127.0.0.1"]
-    assert "num_steps=5 topk=4 num_draft_tokens=16 from defaults" in capsys.readouterr().err
+    assert "num_steps=5 topk=4 num_draft_tokens=16 (default tree (SGLang's 5/4/16))" in capsys.readouterr().err
 
 
 def test_auto_picks_the_builtin_engine_without_a_gpu(capsys, folders, monkeypatch, tmp_path):

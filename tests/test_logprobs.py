@@ -2,14 +2,14 @@
 token came out (prefill, an accepted draft node, the bonus token; greedy or sampled), aligned after stops."""
 import pytest
 import torch
-
 from conftest import tiny_target
-from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.engine import SpeculativeEngine
-from sglang_eagle3.openai_protocol import reported_logprobs
-from sglang_eagle3.scheduler import Request
-from sglang_eagle3.verify import SamplingParams, TokenLogprob
 from test_engine import oracle_for, prompts_of
+
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.scheduler import Request
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
+from sglang_eagle3.serving.openai_protocol import reported_logprobs
 
 
 def teacher_forced(hf, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from sglang_eagle3.trainer.cli import add_train_args, train_config
+from sglang_eagle3.training.trainer.cli import add_train_args, train_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

@@ -6,12 +6,17 @@ import threading
 from http.server import ThreadingHTTPServer
 
 import pytest
-
 from conftest import JSONHandler
 
-from sglang_eagle3.data.formats import Conversation
-from sglang_eagle3.regenerate import (EngineGenerator, OpenAIGenerator, RegenStats, load_conversations,
-                                      regenerate, regenerate_batch)
+from sglang_eagle3.training.data.formats import Conversation
+from sglang_eagle3.training.regenerate import (
+    EngineGenerator,
+    OpenAIGenerator,
+    RegenStats,
+    load_conversations,
+    regenerate,
+    regenerate_batch,
+)
 
 
 class FakeGenerator:
@@ -121,7 +126,7 @@ def test_time_budget_writes_the_rows_done_and_a_rerun_goes_on(chats, tmp_path):
     first = read_out(out)                     # a finished file (not .partial) with the first batch only
     assert len(first) == 2 and stats.left_for_later == len(convs) - 2
     assert not (tmp_path / "out.jsonl.partial").exists()
-    from sglang_eagle3.regenerate import _prompt_chars
+    from sglang_eagle3.training.regenerate import _prompt_chars
     assert {r["key"] for r in first} == {c.key for c in sorted(convs, key=_prompt_chars)[:2]}   # shortest first
     stats = regenerate(convs, FakeGenerator(), str(out), batch_size=2, progress=False)
     rows = read_out(out)
@@ -131,7 +136,7 @@ def test_time_budget_writes_the_rows_done_and_a_rerun_goes_on(chats, tmp_path):
 
 
 def test_output_loads_as_training_data(chats, tmp_path):
-    from sglang_eagle3.data import read_source, parse_source
+    from sglang_eagle3.training.data import parse_source, read_source
     out = tmp_path / "out.jsonl"
     regenerate(load_conversations([chats]), FakeGenerator(), str(out), progress=False)
     rows = list(read_source(parse_source(str(out))))
@@ -143,7 +148,7 @@ def test_engine_generator_adapter():
         def __init__(self, text):
             self.text = text
 
-    from sglang_eagle3.scheduler import RequestError
+    from sglang_eagle3.engine.scheduler import RequestError
 
     class Engine:
         def encode(self, prompt):
@@ -173,6 +178,7 @@ def test_engine_generator_adapter():
 
 def test_resume_refuses_other_settings_and_extends_with_more_rows(tmp_path, chats, capsys):
     from conftest import save_tiny_model_folder
+
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
     out = tmp_path / "regen.jsonl"
@@ -194,6 +200,7 @@ def test_resume_refuses_other_settings_and_extends_with_more_rows(tmp_path, chat
 
 def test_larger_max_prompt_chars_adds_the_skipped_conversations(tmp_path, chats, capsys):
     from conftest import save_tiny_model_folder
+
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
     out = tmp_path / "regen.jsonl"
@@ -212,6 +219,7 @@ def test_larger_max_prompt_chars_adds_the_skipped_conversations(tmp_path, chats,
 
 def test_cli_with_in_process_engine(tmp_path, chats, capsys):
     from conftest import save_tiny_model_folder
+
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
     out = tmp_path / "regen.jsonl"
@@ -223,9 +231,9 @@ def test_cli_with_in_process_engine(tmp_path, chats, capsys):
     msgs = rows[2]["messages"]
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]   # 3 turns, capped at 2
     # the answers are the target's own greedy continuations of the regenerated history
-    from sglang_eagle3.config import SpecConfig
-    from sglang_eagle3.generate_cli import load_engine
-    from sglang_eagle3.verify import SamplingParams
+    from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.speculation import SpecConfig
+    from sglang_eagle3.engine.verify import SamplingParams
     engine = load_engine(target, "none", SpecConfig())
     outs, _ = engine.generate([msgs[:1], msgs[:3]], SamplingParams(max_new_tokens=3))
     assert [o.text for o in outs] == [msgs[1]["content"], msgs[3]["content"]]
@@ -289,6 +297,7 @@ def test_cli_with_server(server, chats, tmp_path, capsys):
 
 def test_cli_server_down_is_one_line_error(chats, tmp_path, capsys):
     import socket
+
     from sglang_eagle3.cli import main
     with socket.socket() as s:   # a port with nothing listening
         s.bind(("127.0.0.1", 0))

@@ -14,14 +14,14 @@ import time
 
 import httpx
 import pytest
-import torch
-
 from conftest import save_tiny_model_folder
+
 from sglang_eagle3.cli import main as eagle3_main
-from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.generate_cli import load_engine
-from sglang_eagle3.server import build_state, create_app
-from sglang_eagle3.verify import SamplingParams
+from sglang_eagle3.engine.loader import load_engine
+from sglang_eagle3.engine.settings import Settings
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams
+from sglang_eagle3.serving.server import build_state, create_app
 
 SPEC = SpecConfig(3, 2, 6)
 PROMPTS = [f"w{i} w{i + 3} w{2 * i + 1} w7" for i in range(8)]
@@ -64,8 +64,8 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(folders):
     target, draft = folders
-    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=4, max_queue=64,
-                                 context_len=256, model_name="tiny"))
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=4, max_queue=64, max_len=256,
+                                 model_name="tiny"))
     yield srv
     srv.close()
 
@@ -279,7 +279,7 @@ def test_n_choices_streamed_or_not(live):
 
 def test_full_queue_answers_503_with_retry_after(folders):
     target, draft = folders
-    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=1, max_queue=1, context_len=256,
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=1, max_queue=1, max_len=256,
                                  model_name="tiny"))
     try:
         async def burst():
@@ -298,7 +298,7 @@ def test_full_queue_answers_503_with_retry_after(folders):
 def test_n_choices_are_queued_all_or_none(folders):
     """A response whose choices do not all fit the queue is refused whole (503) and the queued ones cancelled."""
     target, draft = folders
-    srv = LiveServer(build_state(target, draft, "float32", SPEC, None, max_running=1, max_queue=1, context_len=256,
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=1, max_queue=1, max_len=256,
                                  model_name="tiny"))
     try:
         body = {"model": "tiny", "messages": chat("w1 w2"), "max_tokens": 100, "ignore_eos": True, "n": 4}
@@ -364,8 +364,8 @@ def test_load_200_requests_at_concurrency_32_without_leaks(live):
 
 def test_bench_serving_against_live_servers(live, tmp_path, folders):
     """The serving benchmark's client on two servers (here both ours): JSON, table and plot."""
-    from sglang_eagle3.bench.serving import run
     from sglang_eagle3.bench import report
+    from sglang_eagle3.bench.serving import run
     data = tmp_path / "data" / "eval"
     data.mkdir(parents=True)
     (data / "tiny.jsonl").write_text("\n".join(json.dumps({"turns": [p]}) for p in PROMPTS) + "\n")

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import IdTokenizer, tiny_hf_model
 
-from sglang_eagle3 import sglang_compat as sc
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.target import TargetModel
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.models.target import TargetModel
+from sglang_eagle3.serving import sglang_compat as sc
 
 pytestmark = pytest.mark.skipif(sc.sglang_version() is None,
                                 reason="SGLang is not installed (pip install --no-deps -r requirements-sglang.txt)")

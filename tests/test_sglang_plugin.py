@@ -13,15 +13,14 @@ import os
 
 import pytest
 import torch
-
 from conftest import tiny_hf_model
 
-from sglang_eagle3 import sglang_compat as sc
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.sglang_plugin import PLUGIN_NAME
-from sglang_eagle3.sglang_plugin.capture import SUPPORTED_ARCHITECTURES
-from sglang_eagle3.sglang_plugin.validate import DraftMismatchError, draft_config_problems
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.serving import sglang_compat as sc
+from sglang_eagle3.serving.sglang_plugin import PLUGIN_NAME
+from sglang_eagle3.serving.sglang_plugin.capture import SUPPORTED_ARCHITECTURES
+from sglang_eagle3.serving.sglang_plugin.validate import DraftMismatchError, draft_config_problems
 
 pytestmark = pytest.mark.skipif(sc.sglang_version() is None,
                                 reason="SGLang is not installed (pip install --no-deps -r requirements-sglang.txt)")
@@ -240,7 +239,7 @@ def test_check_skips_other_algorithms_and_unreadable_drafts(plugin, folders, tmp
     args = prepare_server_args(["--model-path", folders["target"], "--device", "cpu", "--skip-tokenizer-init"])
     args.resolve_once()
     args.check_server_args()
-    from sglang_eagle3.sglang_plugin.validate import check_server_args_draft
+    from sglang_eagle3.serving.sglang_plugin.validate import check_server_args_draft
     os.makedirs(tmp_path / "empty")
     args = prepare_server_args(["--model-path", folders["target"], "--speculative-algorithm", "EAGLE3",
                                 "--speculative-draft-model-path", str(tmp_path / "empty")])

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_eagle3.cli import UserError
-from sglang_eagle3.synthesize import FollowUps, PromptFilter, pre_query_ids, read_partial, synthesize
+from sglang_eagle3.errors import UserError
+from sglang_eagle3.training.synthesize import FollowUps, PromptFilter, pre_query_ids, read_partial, synthesize
 
 
 class FakeTokenizer:
@@ -180,6 +180,7 @@ def test_pre_query_ids_after_a_conversation_of_smollm2(smollm2_path):
 
 def test_cli(tmp_path, capsys):
     from conftest import save_tiny_model_folder
+
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
     out = tmp_path / "p.jsonl"
@@ -213,15 +214,16 @@ def test_cli(tmp_path, capsys):
     assert all(1 <= len(r["turns"]) <= 2 for r in read_rows(out2))
     assert json.load(open(str(out2) + ".settings.json"))["turns"] == 2
     # the rows load as prompts for regenerate
-    from sglang_eagle3.regenerate import load_conversations
+    from sglang_eagle3.training.regenerate import load_conversations
     convs = load_conversations([str(out)])
     assert [c.messages for c in convs] == [[{"role": "user", "content": r["turns"][0]}] for r in rows]
 
 
 def test_engine_takes_token_ids_as_they_are():
     from conftest import tiny_target
-    from sglang_eagle3.engine import SpeculativeEngine
-    from sglang_eagle3.verify import SamplingParams
+
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.verify import SamplingParams
     eng = SpeculativeEngine(tiny_target()[0])
     assert eng.encode([5, 7, 9]) == [5, 7, 9]
     a, _ = eng.generate([[5, 7, 9]], SamplingParams(max_new_tokens=4))

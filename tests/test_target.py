@@ -1,9 +1,9 @@
 """The target runtime equals transformers' own forward (logits and captured hidden states)."""
 import pytest
 import torch
-
 from conftest import tiny_target
-from sglang_eagle3.config import ConfigError
+
+from sglang_eagle3.models.config import ConfigError
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = 1e-4
@@ -108,7 +108,7 @@ def test_features_for_training_match_prefill():
 
 def test_custom_aux_layers_and_errors():
     tm, hf = tiny_target("llama")
-    from sglang_eagle3.target import TargetModel
+    from sglang_eagle3.models.target import TargetModel
     t2 = TargetModel(hf, None, aux_layer_ids=[0, 3, 5])
     ids = torch.tensor([[1, 2, 3]])
     out = t2(t2.new_cache(1, 8), ids, torch.arange(3).view(1, 3))
@@ -127,9 +127,10 @@ def test_custom_aux_layers_and_errors():
 
 
 def test_unsupported_family_is_refused():
-    from transformers import AutoModelForCausalLM
-    from sglang_eagle3.target import TargetModel
     from conftest import tiny_hf_config
+    from transformers import AutoModelForCausalLM
+
+    from sglang_eagle3.models.target import TargetModel
     hf = AutoModelForCausalLM.from_config(tiny_hf_config("gpt2", n_embd=64, n_layer=4, n_head=4))
     with pytest.raises(ConfigError, match="gpt2"):
         TargetModel(hf)
@@ -151,7 +152,7 @@ def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape, D):
     sizes with register-blocked paths). A bf16 output hides most fp32 rounding differences (one in ~65,000 values
     flips), so bf16 runs many heads and draws: with the softmax sums in position lanes, 11 of 3,280 wide-tree
     nodes differed."""
-    from sglang_eagle3 import kernels as K
+    from sglang_eagle3.kernels import decode as K
     torch.manual_seed(0)
     parents = VERIFY_TREES[shape]
     F, S = len(parents), 48
@@ -178,7 +179,7 @@ def test_a_verified_token_attends_as_the_one_token_step_would(dtype, shape, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_attention_equals_the_kernel_and_the_reference(dtype, D):
     """The fixed-shape attention (what CUDA graphs capture) against the reference and the CPU kernel."""
-    from sglang_eagle3 import kernels as K
+    from sglang_eagle3.kernels import decode as K
     torch.manual_seed(0)
     R, nKV, S, nH, B, T, F = 5, 3, 48, 6, 3, 4, 6      # head sizes 64, 128: the kernel's register-blocked paths
     k0, v0 = torch.randn(R, nKV, S, D, dtype=dtype), torch.randn(R, nKV, S, D, dtype=dtype)
@@ -212,11 +213,13 @@ def test_packed_linear_paths_agree(amx):
     and F.linear give the same products (bf16), and a row's result does not depend on how many rows come with it
     (decode vs verify), in blocks of 16 rows, with a remainder block and with K off the 32-wide slice grid."""
     import torch.nn.functional as F
-    from sglang_eagle3 import kernels as K
-    if amx and not K.amx_usable():
+
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    if amx and not extension.amx_usable():
         pytest.skip("no AMX on this CPU (or the OS refuses tile data, or the build lacks it)")
     torch.manual_seed(0)
-    with K.using_amx(amx):
+    with extension.using_amx(amx):
         for N, Kd, bias in ((960, 576, True), (577, 575, False), (64, 1536, False), (8, 40, True)):
             w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
             b = torch.randn(N).to(torch.bfloat16) if bias else None
@@ -239,15 +242,16 @@ def test_packed_linear_paths_agree(amx):
 def test_amx_and_avx512_kernels_round_alike():
     """On an AMX CPU both few-row kernels sum in fp32 and round to bf16 once: they differ on rare last-bit
     roundings only, so a draft or target behaves the same whichever kernel the host picks."""
-    from sglang_eagle3 import kernels as K
-    if not K.amx_usable():
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    if not extension.amx_usable():
         pytest.skip("no AMX on this CPU (or the OS refuses tile data, or the build lacks it)")
     torch.manual_seed(1)
     w = (torch.randn(1000, 576) * 0.05).to(torch.bfloat16)
     x = torch.randn(8, 576).to(torch.bfloat16)
-    with K.using_amx(True):
+    with extension.using_amx(True):
         amx = K.PackedLinear(w)
-    with K.using_amx(False):
+    with extension.using_amx(False):
         avx = K.PackedLinear(w)
     a, b = amx(x), avx(x)
     assert (a != b).float().mean() < 0.01
@@ -257,7 +261,7 @@ def test_amx_and_avx512_kernels_round_alike():
 def test_fused_layer_step_equals_the_step_by_step_path():
     """bf16 decode and tree-verify forwards through csrc's layer_step (one C++ call per layer) give exactly the
     logits, features and KV entries of the layer-by-layer path: the same kernels in the same order."""
-    from sglang_eagle3 import kernels as K
+    from sglang_eagle3.kernels import extension
     tm, _ = tiny_target("llama", dtype=torch.bfloat16)
     if not tm._fused_layers_apply(torch.zeros(1, 1, tm.hidden_size, dtype=torch.bfloat16), 1, None):
         pytest.skip("csrc's bf16 kernels are not available on this CPU")
@@ -265,7 +269,7 @@ def test_fused_layer_step_equals_the_step_by_step_path():
     depth = torch.tensor([[7, 8, 8, 9]])
     results = []
     for fused in (True, False):
-        tm._layer_step_ok[K.mode()] = fused
+        tm._layer_step_ok[extension.mode()] = fused
         cache = tm.new_cache(2, 32)
         tm(cache, torch.tensor([prompt, prompt]), torch.arange(7).expand(2, 7))
         cache.commit_prefix(torch.arange(2), torch.tensor([7, 7]))
@@ -275,7 +279,7 @@ def test_fused_layer_step_equals_the_step_by_step_path():
         one = tm(cache, torch.tensor([[77], [78]]), torch.tensor([[9], [9]]))
         results.append((tree.logits, tree.aux_hidden_states, one.logits, one.aux_hidden_states,
                         cache.k.clone() if torch.is_tensor(cache.k) else [k.clone() for k in cache.k]))
-    del tm._layer_step_ok[K.mode()]
+    del tm._layer_step_ok[extension.mode()]
     for a, b in zip(*results):
         if isinstance(a, list):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -289,7 +293,7 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused):
     kernel's prefill boundary of 32) equal that row's verify alone, bit for bit, on both forward paths: what a
     speculative step computes for a request does not depend on what else is batched with it, so greedy output
     stays vanilla's at batch 8 with 8-token trees too."""
-    from sglang_eagle3 import kernels as K
+    from sglang_eagle3.kernels import extension
     # SmolLM2's widths: at the default hidden size of 64, oneDNN's sums happen to match the kernel's
     tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
                         head_dim=64)
@@ -300,7 +304,7 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused):
     parents = [-1, 0, 0, 1, 2, 2, 5, 3]
     depth = torch.tensor([len(path_to(parents, i)) - 1 for i in range(T)]) + P
     prompts, trees = torch.randint(3, tm.vocab_size, (B, P)), torch.randint(3, tm.vocab_size, (B, T))
-    tm._layer_step_ok[K.mode()] = fused
+    tm._layer_step_ok[extension.mode()] = fused
     try:
         cache = tm.new_cache(B, 32)
         tm(cache, prompts, torch.arange(P).expand(B, P))
@@ -311,13 +315,13 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused):
                        rows=torch.tensor([b])).logits
             assert torch.equal(alone[0], together[b]), b
     finally:
-        del tm._layer_step_ok[K.mode()]
+        del tm._layer_step_ok[extension.mode()]
 
 
 def test_one_row_commit_moves_what_the_batched_commit_moves():
     """kvcache.commit has a one-row CPU path (strided copies) beside the gathers of the batched one: both move
     slot start+keep[j] to start+j and leave everything else alone."""
-    from sglang_eagle3.kvcache import KVPool
+    from sglang_eagle3.models.kvcache import KVPool
     g = torch.Generator().manual_seed(0)
     k0, v0 = torch.randn(3, 2, 2, 24, 4, generator=g), torch.randn(3, 2, 2, 24, 4, generator=g)
     for keep in ([0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 3, 5], [0, 4, 5, 6, 7]):

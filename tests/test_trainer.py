@@ -11,17 +11,16 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from test_dump import load_target, make_rows, make_tiny_target, write_jsonl
 
-from sglang_eagle3.config import ConfigError
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.hidden_dump import dump_hidden_states
-from sglang_eagle3.trainer import backend as B
-from sglang_eagle3.trainer.data import StepSampler, collate, eval_rows_of_rank, pack, split_indices
-from sglang_eagle3.trainer.logs import read_metrics
-from sglang_eagle3.trainer.loop import Trainer
-from sglang_eagle3.trainer.run_config import TrainConfig
+from sglang_eagle3.models.config import ConfigError
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.training.hidden_dump import dump_hidden_states
+from sglang_eagle3.training.trainer import backend as B
+from sglang_eagle3.training.trainer.data import StepSampler, collate, eval_rows_of_rank, pack, split_indices
+from sglang_eagle3.training.trainer.logs import read_metrics
+from sglang_eagle3.training.trainer.loop import Trainer
+from sglang_eagle3.training.trainer.run_config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train", "train_eagle3.py")
@@ -353,7 +352,7 @@ def test_init_from_continues_a_draft(setup, tmp_path):
 def test_init_from_with_a_larger_draft_vocab(setup, tmp_path):
     """--init-from + --draft-vocab-size N: every weight is the draft's, shared tokens keep their trained output
     row, new tokens get the affine image of the target's row; the vocabulary is the new one."""
-    from sglang_eagle3.vocab import remap_lm_head
+    from sglang_eagle3.training.vocab import remap_lm_head
     first = Trainer(small_cfg(setup, tmp_path / "a", save_every=0)).run()
     src = Eagle3DraftModel.from_pretrained(first["export"], dtype=torch.float32)
     t = Trainer(small_cfg(setup, tmp_path / "b", init_from=first["export"], draft_vocab_size=64, max_steps=1,
@@ -375,7 +374,7 @@ def test_init_from_with_a_larger_draft_vocab(setup, tmp_path):
 
 def test_remap_vocab_command_cuts_a_draft_to_its_most_frequent_tokens(setup, tmp_path, capsys):
     from sglang_eagle3.cli import main
-    from sglang_eagle3.vocab import save_vocab
+    from sglang_eagle3.training.vocab import save_vocab
     _, target, _, _ = setup
     first = Trainer(small_cfg(setup, tmp_path / "a", save_every=0, max_steps=1)).run()
     src = Eagle3DraftModel.from_pretrained(first["export"], dtype=torch.float32)
@@ -399,7 +398,7 @@ def test_remap_vocab_command_cuts_a_draft_to_its_most_frequent_tokens(setup, tmp
 
 
 def test_remap_lm_head_recovers_an_affine_map():
-    from sglang_eagle3.vocab import remap_lm_head
+    from sglang_eagle3.training.vocab import remap_lm_head
     g = torch.Generator().manual_seed(0)
     target = torch.randn(100, 6, generator=g)
     a, b = torch.randn(6, 4, generator=g), torch.randn(4, generator=g)
@@ -451,8 +450,7 @@ def test_check_only_names_missing_inputs(setup, tmp_path, capsys):
 def test_checkpoint_export_and_learning_curve(setup, tmp_path):
     """A kept checkpoint exports as a loadable draft equal to the run's weights at that step, and its eval
     records carry the tokens seen (what the learning curve reads)."""
-    from sglang_eagle3.trainer.export import export_checkpoint
-    from conftest import save_tiny_model_folder
+    from sglang_eagle3.training.trainer.export import export_checkpoint
     run = tmp_path / "run"
     s = Trainer(small_cfg(setup, run, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
     assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_0000002", "step_0000004"]
@@ -511,7 +509,7 @@ def test_learning_curve_goes_on_when_run_folders_are_gone(setup, tmp_path, monke
     """On another machine the run folders are gone: their points and held-out evals stay in --out; a run whose
     checkpoints are gone but whose final draft was kept adds one point at its end, measured once."""
     from sglang_eagle3.bench import curve
-    from sglang_eagle3.cli import UserError
+    from sglang_eagle3.errors import UserError
     run1 = tmp_path / "r1"
     s = Trainer(small_cfg(setup, run1, max_steps=4, save_every=2, keep_checkpoints=1, keep_every=2)).run()
     measured = fake_curve_sets(tmp_path, monkeypatch)

@@ -1,12 +1,12 @@
 """Property tests of the dynamic draft tree."""
 import torch
+from conftest import random_draft, tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import random_draft, tiny_target
-from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.kvcache import KVPool
-from sglang_eagle3.tree import build_draft_tree, grow_tree
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.tree import build_draft_tree, grow_tree
+from sglang_eagle3.models.kvcache import KVPool
 
 
 def check_tree(tree, root_positions, budget):
@@ -137,7 +137,7 @@ def test_skipped_levels_do_skip():
     if not SKIPPED:
         test_skipped_levels_leave_the_tree_unchanged()
     assert sum(SKIPPED) > 0, SKIPPED
-    from sglang_eagle3.tree import levels_needed
+    from sglang_eagle3.engine.tree import levels_needed
     assert levels_needed([torch.tensor([[-0.1]]), torch.tensor([[-0.2]])], torch.tensor([[-0.2]]), 4)
     # 3 candidates at least as good as the best frontier node (score -1.0; an equal earlier score wins the tie)
     scores = [torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.7, -1.5, -3.0, -4.0]])]
@@ -166,9 +166,10 @@ def test_fused_draft_layer_equals_the_layer_by_layer_path(monkeypatch):
     """bf16 draft steps over the pool through csrc's draft_layer (one call per step) give exactly the hidden
     states, KV entries and trees of the layer-by-layer path: the same kernels in the same order."""
     import pytest
-    from sglang_eagle3.draft import Eagle3DecoderLayer
-    from sglang_eagle3.kvcache import tree_new_mask
-    from sglang_eagle3.tree import pool_attend
+
+    from sglang_eagle3.engine.tree import pool_attend
+    from sglang_eagle3.models.draft import Eagle3DecoderLayer
+    from sglang_eagle3.models.kvcache import tree_new_mask
     tm, _ = tiny_target("llama", dtype=torch.bfloat16)
     draft = random_draft(tm, draft_vocab_size=48)
     with torch.no_grad():
@@ -211,16 +212,17 @@ def test_fused_draft_layer_equals_the_layer_by_layer_path(monkeypatch):
 @given(candidates(), st.integers(0, 50))
 def test_cpu_tree_selection_equals_the_tensor_ops(cands, root_pos):
     """build_draft_tree's one-call CPU selection (csrc/tree_ops.cpp) lays out exactly the tree of the tensor
-    ops (build_draft_tree_ref, what other devices run), ties in the scores included."""
-    from sglang_eagle3 import kernels
-    from sglang_eagle3.tree import build_draft_tree_ref
-    if kernels.extension() is None:
+    ops (kernels' build_tree_ref, what other devices run), ties in the scores included."""
+    from sglang_eagle3.engine.tree import DraftTree
+    from sglang_eagle3.kernels import decode as kernels
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
         return
     tokens, scores, parents, budget = cands
     B = tokens.shape[0]
     roots, rpos = torch.arange(B) + 3, torch.full((B,), root_pos)
     got = build_draft_tree(tokens, scores, parents, roots, rpos, budget)
-    ref = build_draft_tree_ref(tokens, scores, parents, roots, rpos, budget)
+    ref = DraftTree(*kernels.build_tree_ref(tokens, scores, parents, roots, rpos, budget))
     for name in ("tokens", "parents", "depth", "mask", "positions"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
 
@@ -228,7 +230,8 @@ def test_cpu_tree_selection_equals_the_tensor_ops(cands, root_pos):
 def test_topk_logprobs_equals_log_softmax_topk():
     """The per-level top-k of the draft's log-probabilities in one pass: the indices of log_softmax + topk, the
     values to fp32 rounding; on ties the smaller index first."""
-    from sglang_eagle3 import kernels
+    from sglang_eagle3.kernels import decode as kernels
+    from sglang_eagle3.kernels import extension
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for shape, k in (((3, 2, 8192), 2), ((5, 1000), 4), ((1, 17), 3), ((2, 3, 31), 1)):
@@ -242,6 +245,6 @@ def test_topk_logprobs_equals_log_softmax_topk():
                 assert torch.equal(ids, ri)         # no ties in random fp32 values
     x = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
     vals, ids = kernels.topk_logprobs(x, 3)
-    if kernels.extension() is not None:
+    if extension.load() is not None:
         assert ids.tolist() == [[1, 3, 4]]
     torch.testing.assert_close(vals, torch.log_softmax(x, -1)[:, [1, 3, 4]])

@@ -4,9 +4,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.draft import Eagle3DraftModel, sdpa_attend
-from sglang_eagle3.ttt import TTTAttention, chains_to_grow, metrics_from_counters, target_distribution, ttt_forward
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel, sdpa_attend
+from sglang_eagle3.training.ttt import (
+    TTTAttention,
+    chains_to_grow,
+    metrics_from_counters,
+    target_distribution,
+    ttt_forward,
+)
 
 V, VD, H, T, B, K = 40, 28, 32, 9, 2, 4
 DT = torch.float64
@@ -166,8 +172,9 @@ def test_sharpened_targets_match_naive_drafting(target_temperature):
 
 def test_sharpen_target_values_and_flag():
     import argparse
-    from sglang_eagle3.trainer.cli import UserError, add_train_args, train_config
-    from sglang_eagle3.soft_ce import sharpen_target
+
+    from sglang_eagle3.training.trainer.cli import UserError, add_train_args, train_config
+    from sglang_eagle3.training.ttt import sharpen_target
     z = torch.tensor([[2.0, 0.0, 1.0, 1.5], [0.0, 3.0, 3.5, -1.0]], dtype=DT)
     p = z.softmax(-1)
     assert sharpen_target(p, 1.0) is p
@@ -200,13 +207,15 @@ def test_chains_no_later_step_scores_are_not_grown(offset, eagle31, grow_every_c
 
 def test_grow_every_chain_default_follows_the_cpu(monkeypatch):
     """auto: every chain on CPUs with AMX, the scored chains elsewhere; the trainer's --grow-chains picks either."""
-    from sglang_eagle3 import kernels, ttt
     import argparse
-    from sglang_eagle3.trainer.cli import add_train_args, train_config
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16 amx_tile")
+
+    from sglang_eagle3.kernels import extension
+    from sglang_eagle3.training import ttt
+    from sglang_eagle3.training.trainer.cli import add_train_args, train_config
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16 amx_tile")
     assert ttt.grow_every_chain_default(torch.device("cpu"))
     assert not ttt.grow_every_chain_default(torch.device("cuda"))
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : avx512f avx512_bf16")
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "flags : avx512f avx512_bf16")
     assert not ttt.grow_every_chain_default(torch.device("cpu"))
     p = argparse.ArgumentParser()
     add_train_args(p)
@@ -239,7 +248,7 @@ def test_wrong_step_masking_is_detected(monkeypatch, wrong):
     draft, lm_head, d = make_setup()
     ref_loss, ref_steps, _ = naive_ttt(draft, lm_head, d)
     good = efficient(draft, lm_head, d)
-    monkeypatch.setattr("sglang_eagle3.ttt.TTTAttention", wrong)
+    monkeypatch.setattr("sglang_eagle3.training.ttt.TTTAttention", wrong)
     bad = efficient(draft, lm_head, d)
     torch.testing.assert_close(good.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
     # step 0 only sees step-0 keys in every variant; later steps must differ by far more than the tolerance
@@ -339,21 +348,21 @@ def test_packed_rows_equal_the_rows_one_by_one(offset, fw, eagle31):
 def test_soft_cross_entropy_kernel_equals_the_pytorch_ops(V_):
     """bf16 logits on CPU take csrc's fused kernel (p read through row indices); it gives the PyTorch ops' loss
     and gradient (fp32 arithmetic in both; the gradient within one bf16 rounding)."""
-    from sglang_eagle3 import kernels
-    from sglang_eagle3.soft_ce import _soft_ce_extension, soft_cross_entropy
-    if kernels.extension() is None:
-        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    from sglang_eagle3.kernels import extension
+    from sglang_eagle3.kernels.training import soft_ce_extension, soft_cross_entropy
+    if extension.load() is None:
+        pytest.skip(f"C++ extension unavailable: {extension.status()['extension_error']}")
     g = torch.Generator().manual_seed(0)
     S, N = 70, 90
     z0 = (torch.randn(S, V_, generator=g) * 4).bfloat16()
     p = (torch.randn(N, V_, generator=g) * 3).softmax(-1)
     rows = torch.randint(0, N, (S,), generator=g)
     w = torch.rand(S, generator=g)
-    assert _soft_ce_extension(z0, p, rows) is not None
+    assert soft_ce_extension(z0, p, rows) is not None
     out = {}
     for mode in ("auto", "off"):
         z = z0.clone().requires_grad_()
-        with kernels.using(mode):
+        with extension.using(mode):
             loss = soft_cross_entropy(z, p, rows)
             (loss * w).sum().backward()
         out[mode] = loss.detach(), z.grad
@@ -373,9 +382,9 @@ def test_soft_cross_entropy_kernel_equals_the_pytorch_ops(V_):
 def test_bf16_ttt_with_the_kernel_equals_it_without():
     """A packed bf16 TTT step (autocast, what training runs) with the soft cross-entropy kernel and with the
     PyTorch ops: the same loss, counters and gradients up to bf16 rounding."""
-    from sglang_eagle3 import kernels
-    if kernels.extension() is None:
-        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
+        pytest.skip(f"C++ extension unavailable: {extension.status()['extension_error']}")
     draft, lm_head, d = make_setup()
     draft.float(), lm_head.float()
     lengths = [T, T - 2]
@@ -385,7 +394,7 @@ def test_bf16_ttt_with_the_kernel_equals_it_without():
     last = torch.cat([d["last"][0], d["last"][1, :T - 2]])[None].float()
     res = {}
     for mode in ("auto", "off"):
-        with kernels.using(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+        with extension.using(mode), torch.autocast("cpu", dtype=torch.bfloat16):
             o = ttt_forward(draft, ids, mask, aux, last, None, lm_head, ttt_length=K, row_lengths=lengths)
         res[mode] = o, grads(draft, o.loss)
     (a, ga), (b, gb) = res["auto"], res["off"]
@@ -399,9 +408,9 @@ def test_bf16_ttt_with_the_kernel_equals_it_without():
 def test_target_distribution_kernel_equals_the_pytorch_ops():
     """bf16 target logits on CPU: csrc's one-pass kernel gives the same argmax over the whole vocabulary (the
     first maximum on ties, as torch) and the same softmax at the draft's ids."""
-    from sglang_eagle3 import kernels
-    if kernels.extension() is None:
-        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
+        pytest.skip(f"C++ extension unavailable: {extension.status()['extension_error']}")
     g = torch.Generator().manual_seed(0)
     lm_head = nn.Linear(H, 1000, bias=False).bfloat16()
     nn.init.normal_(lm_head.weight, 0, 1.0, generator=g)
@@ -409,7 +418,7 @@ def test_target_distribution_kernel_equals_the_pytorch_ops():
     ids = torch.randperm(1000, generator=g)[:301]
     res = {}
     for mode in ("auto", "off"):
-        with kernels.using(mode):
+        with extension.using(mode):
             res[mode] = target_distribution(hidden, lm_head, ids)
     (pa, ta), (pb, tb) = res["auto"], res["off"]
     assert pa.shape == (2, 7, 301) and ta.shape == (2, 7) and torch.equal(ta, tb)
@@ -418,7 +427,7 @@ def test_target_distribution_kernel_equals_the_pytorch_ops():
     ties[0, [3, 20, 40]] = 5
     ties[1, [17, 33]] = 2
     ties[2, [48, 49]] = 1                                                  # in the non-vector tail
-    _, top = kernels.extension().target_distribution(ties, torch.arange(10))
+    _, top = extension.load().target_distribution(ties, torch.arange(10))
     assert top.tolist() == [3, 17, 48] == ties.max(-1).indices.tolist()
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels.extension().target_distribution(ties, torch.tensor([0, 50]))
+        extension.load().target_distribution(ties, torch.tensor([0, 50]))

@@ -3,12 +3,13 @@ import math
 
 import pytest
 import torch
-
 from conftest import random_draft, tiny_target
-from sglang_eagle3 import kernels as K, spec_worker as engine_mod
-from sglang_eagle3.config import SpecConfig
-from sglang_eagle3.engine import SpeculativeEngine
-from sglang_eagle3.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
+
+from sglang_eagle3.engine import spec_worker as engine_mod
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
+from sglang_eagle3.kernels import extension
 
 
 def test_greedy_walk_takes_longest_matching_path_and_bonus():
@@ -73,13 +74,13 @@ def tv(counts, p):
 
 def ext_verify_sampling(tokens, parents, probs, generator=None):
     """csrc's accept_sampling on logits whose softmax is probs (log 0 = -inf)."""
-    from sglang_eagle3.verify import accept_sampling_ext
-    return accept_sampling_ext(torch.tensor(tokens), torch.tensor(parents), probs.log(), SamplingParams(temperature=1.0),
+    from sglang_eagle3.engine.verify import accept_sampling_row
+    return accept_sampling_row(torch.tensor(tokens), torch.tensor(parents), probs.log(), SamplingParams(temperature=1.0),
                                generator)
 
 
 def needs_ext(verify):
-    if verify is ext_verify_sampling and K.extension() is None:
+    if verify is ext_verify_sampling and extension.load() is None:
         pytest.skip("the C++ extension is not built here")
 
 
@@ -128,15 +129,15 @@ def test_sampling_walk_continues_with_the_accepted_childs_distribution(verify):
 def test_extension_draws_what_target_probs_says(params):
     """csrc's top-k / top-p cut (a histogram of the values, no sort) against target_probs: 20k draws of one token,
     nothing outside the kept set, chi-square p > 1e-4."""
-    if K.extension() is None:
+    if extension.load() is None:
         pytest.skip("the C++ extension is not built here")
-    from sglang_eagle3.verify import sample_token_ext
+    from sglang_eagle3.engine.verify import sample_token
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(40, generator=g) * 2.5
     p = target_probs(logits, params)
     counts = torch.zeros(40)
     for _ in range(20000):
-        counts[sample_token_ext(logits, params, g)] += 1
+        counts[sample_token(logits, params, g)] += 1
     assert counts[p == 0].sum() == 0 and (p > 0).sum() < 40
     assert chi2_pvalue(counts, p) > 1e-4
 
@@ -201,7 +202,7 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, ext, monkeyp
 def test_sample_categorical_draws_the_distribution():
     """The inverse-CDF sampler: frequencies match p (within 4.5 standard deviations each), zero-probability tokens never
     come up (also at the edges of the vocabulary), and unnormalised weights are read as their normalised distribution."""
-    from sglang_eagle3.verify import sample_categorical
+    from sglang_eagle3.engine.verify import sample_categorical
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
     n = 6000
@@ -216,7 +217,7 @@ def test_sample_categorical_draws_the_distribution():
 
 
 def test_sample_rows_draws_each_row_with_its_own_generator():
-    from sglang_eagle3.verify import sample_rows
+    from sglang_eagle3.engine.verify import sample_rows
     probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.0, 3.0, 0.0, 1.0]])
     draws = [sample_rows(probs, [torch.Generator().manual_seed(s) for s in (0, 1, 2)]) for _ in range(2)]
     assert torch.equal(draws[0], draws[1])                         # seeded per row: reproducible
@@ -228,7 +229,7 @@ def test_sample_rows_draws_each_row_with_its_own_generator():
 def test_argmax_takes_the_first_maximum_like_fp32_argmax(dtype):
     """Greedy picks read the target's logits in its own dtype (kernels.argmax): on ties (common in bf16) the
     first maximum wins, exactly as argmax over the fp32 cast that transformers' greedy decoding takes."""
-    from sglang_eagle3 import kernels
+    from sglang_eagle3.kernels import decode as kernels
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 3, 4096, generator=g) * 2).round().to(dtype)          # many exact ties per row
     x[0, 0, :] = 0                                                              # a row of nothing but ties
@@ -241,11 +242,12 @@ def test_argmax_takes_the_first_maximum_like_fp32_argmax(dtype):
 def test_accept_from_logits_equals_the_tensor_walk(dtype):
     """On CPU greedy acceptance is one extension call that takes the argmax only along the accepted walk: the same
     path, count and emitted tokens (padding included) as accept_greedy over the argmax of every node."""
-    from sglang_eagle3 import kernels
-    from sglang_eagle3.tree import build_draft_tree_ref
-    from sglang_eagle3.verify import accept_greedy, accept_greedy_logits
-    if kernels.extension() is None:
-        pytest.skip(f"C++ extension unavailable: {kernels.status()['extension_error']}")
+    from sglang_eagle3.engine.tree import DraftTree
+    from sglang_eagle3.engine.verify import accept_greedy_logits
+    from sglang_eagle3.kernels import decode as kernels
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
+        pytest.skip(f"C++ extension unavailable: {extension.status()['extension_error']}")
     g = torch.Generator().manual_seed(0)
     V = 50
     for trial in range(200):
@@ -257,8 +259,8 @@ def test_accept_from_logits_equals_the_tensor_walk(dtype):
         for i in range(C):                                                              # children score lower
             p = parents[:, i]
             scores[:, i] += torch.where(p >= 0, scores.gather(1, p.clamp(min=0).view(B, 1)).view(B), 0)
-        tree = build_draft_tree_ref(tokens, scores, parents, torch.tensor([1, 2, 3]), torch.tensor([5, 0, 9]),
-                                    int(torch.randint(1, C + 2, (1,), generator=g)))
+        tree = DraftTree(*kernels.build_tree_ref(tokens, scores, parents, torch.tensor([1, 2, 3]),
+                                                 torch.tensor([5, 0, 9]), int(torch.randint(1, C + 2, (1,), generator=g))))
         N = tree.num_nodes
         logits = torch.randn(B, N, V, generator=g)
         want = tree.tokens.clone()                      # make the target agree with some drafted children
@@ -270,6 +272,6 @@ def test_accept_from_logits_equals_the_tensor_walk(dtype):
             logits = logits.round()                     # ties: the first maximum wins in both
         logits = logits.to(dtype)
         got = accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
-        ref = accept_greedy(tree.tokens, tree.parents, tree.mask, kernels.argmax(logits))
-        for a, r in ((got.path, ref.path), (got.count, ref.count), (got.emitted, ref.emitted)):
+        ref = kernels.accept_greedy_ref(tree.tokens, tree.parents, tree.mask, kernels.argmax(logits))
+        for a, r in ((got.path, ref[0]), (got.count, ref[1]), (got.emitted, ref[2])):
             assert torch.equal(a, r), trial

@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_eagle3.config import Eagle3Config
-from sglang_eagle3.data.build import write_examples
 from sglang_eagle3.fileio import write_json
-from sglang_eagle3.draft import Eagle3DraftModel
-from sglang_eagle3.vocab import (build_vocab, count_tokens, coverage_table, format_report, load_vocab,
-                                 select_draft_vocab, vocab_mapping)
+from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.training.data.build import write_examples
+from sglang_eagle3.training.vocab import (
+    build_vocab,
+    count_tokens,
+    coverage_table,
+    format_report,
+    load_vocab,
+    select_draft_vocab,
+    vocab_mapping,
+)
 
 
 def test_count_only_masked_tokens():

@@ -6,7 +6,8 @@ def run_cli(prog: str, body, argv=None, extra_errors: tuple = ()) -> int:
     """Run a bench entry point; input errors become one line on stderr and exit code 2 (EAGLE3_DEBUG=1 or
     --debug among the arguments: the traceback)."""
     import sys
-    from ..cli import debug_enabled, report, user_errors
+
+    from sglang_eagle3.errors import debug_enabled, report, user_errors
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if debug:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import report
-from .acceptance import FORMAT
-from .acceptance_report import PAPER_NAMES
+from sglang_eagle3.bench import report
+from sglang_eagle3.bench.acceptance import FORMAT
+from sglang_eagle3.bench.acceptance_report import PAPER_NAMES
 
 SAME_SETTINGS = ("target", "dtype", "temperature", "seed", "max_new_tokens", "spec", "ignore_eos")
 
 
 def parse_row(spec: str) -> tuple[str, str]:
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     label, sep, path = spec.rpartition("=")          # labels may hold "=" (w=1); paths rarely do
     if not sep or not label.strip() or not path.strip():
         raise UserError(f"--row {spec!r}: expected LABEL=RESULTS.json")
@@ -30,7 +30,7 @@ def parse_row(spec: str) -> tuple[str, str]:
 
 
 def load_result(path: str) -> dict:
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file (run bench/bench_acceptance.py --out {path} first)")
     try:
@@ -56,7 +56,7 @@ def train_summary(draft_dir: str) -> dict | None:
 
 
 def check_comparable(results: dict[str, dict], paths: dict[str, str], sets: list[str]) -> None:
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     first = next(iter(results))
     for label, r in results.items():
         for name in sets:
@@ -73,7 +73,7 @@ def check_comparable(results: dict[str, dict], paths: dict[str, str], sets: list
 
 
 def build(rows: list[tuple[str, str]], sets: list[str]) -> dict:
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     if not rows:
         raise UserError("give at least one --row LABEL=RESULTS.json")
     paths = dict(rows)
@@ -135,5 +135,5 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from . import run_cli
+    from sglang_eagle3.bench import run_cli
     return run_cli("ablation_table", run, argv)

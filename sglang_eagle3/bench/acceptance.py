@@ -24,8 +24,8 @@ import sys
 import time
 from collections import Counter
 
-from . import report, run_cli
-from .acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms, tree_text
+from sglang_eagle3.bench import report, run_cli
+from sglang_eagle3.bench.acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms, tree_text
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
 DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
@@ -36,7 +36,7 @@ DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 
 def resolve_sets(names: list[str], data: str) -> dict[str, str]:
     """'mt_bench' -> <data>/eval/mt_bench.jsonl; a path ending in .jsonl is used as is (named by its stem)."""
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     out = {}
     for name in names:
         path = name if name.endswith(".jsonl") else os.path.join(data, "eval", f"{name}.jsonl")
@@ -172,7 +172,8 @@ def average_row(sets: dict) -> dict:
         return sum(xs) / len(xs) if xs else None
     out = {"tau": mean("tau"), "speedup_median": mean("speedup_median"), "speedup_total": mean("speedup_total"),
            "tokens_per_s_vanilla": mean("tokens_per_s_vanilla"), "tokens_per_s_spec": mean("tokens_per_s_spec"),
-           "draft_vocab_coverage": mean("draft_vocab_coverage"), "n_prompts": sum(s["n_prompts"] for s in sets.values()),
+           "draft_vocab_coverage": mean("draft_vocab_coverage"),
+           "n_prompts": sum(s["n_prompts"] for s in sets.values()),
            "tokens_spec": sum(s["tokens_spec"] for s in sets.values())}
     if any("draft_over_baseline_median" in s for s in sets.values()):      # a baseline draft's sets
         out["draft_over_baseline_median"] = mean("draft_over_baseline_median")
@@ -183,8 +184,8 @@ def average_row(sets: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args
-    from ..prompts import data_dir
+    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args
+    from sglang_eagle3.paths import data_dir
     p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2)")
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _long_only(profile, spec):
     """A profile that runs `spec` below the long-context threshold and the profile's long-context table from it on
     (bench_acceptance decodes one prompt at a time, greedy: what the server runs for such a request)."""
-    from ..config import SpecProfile
+    from sglang_eagle3.engine.speculation import SpecProfile
     return SpecProfile({1: spec}, profile.source, long_context=profile.long_context)
 
 
@@ -246,11 +247,15 @@ def _resumable(out: str, config: dict, fresh: bool) -> tuple[dict, dict]:
 def run(argv=None) -> int:
     import torch
     from tqdm import tqdm
-    from ..cli import UserError
-    from ..engine import SpeculativeEngine
-    from ..generate_cli import apply_compile_arg, load_engine, resolve_dtype, resolve_spec, resolve_target, shipped_draft
-    from ..prompts import load_prompts
-    from ..verify import SamplingParams
+
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.engine.settings import apply_compile_arg, resolve_dtype, settings_from_args
+    from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.paths import shipped_draft
 
     a = build_parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype)
@@ -271,7 +276,9 @@ def run(argv=None) -> int:
                               ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
-    spec, profile, source = resolve_spec(a, draft, 1)   # records the tree that ran in a (topk=1 clamps ndt)
+    settings = settings_from_args(a, draft, batch_size=1)      # batch 1: one prompt at a time
+    spec, profile, source = settings.engine_tree, settings.profile, settings.source
+    a.num_steps, a.topk, a.num_draft_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens   # what ran is recorded
     # the profile's long-context table (greedy steps of rows that long), as the server runs it; flags: none
     long = profile.long_context if profile is not None and a.temperature == 0 else None
     a.long_context = None
@@ -333,8 +340,8 @@ def run(argv=None) -> int:
 
 def check_baseline(path: str, draft: str) -> None:
     """Before anything loads: the baseline draft must read the same target features as --draft."""
-    from ..cli import UserError
-    from ..config import ConfigError, Eagle3Config
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.config import ConfigError, Eagle3Config
     try:
         base = Eagle3Config.load(path)
     except ConfigError as e:
@@ -351,8 +358,8 @@ def check_baseline(path: str, draft: str) -> None:
 
 def load_baseline(path: str, spec_engine, spec):
     """The baseline draft's engine on the main engine's target (loaded once)."""
-    from ..engine import SpeculativeEngine
-    from ..generate_cli import load_draft
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_draft
     return SpeculativeEngine(spec_engine.target, load_draft(path, spec_engine.target.dtype, spec_engine.target.device),
                              spec)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from . import report
+from sglang_eagle3.bench import report
 
 PAPER_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
                "sum": "CNN/DM"}

@@ -23,13 +23,13 @@ import os
 import sys
 import tempfile
 
-from . import report, run_cli
+from sglang_eagle3.bench import report, run_cli
 
 FORMAT = "sglang_eagle3.learning_curve/1"
 
 
 def build_parser():
-    from ..generate_cli import add_spec_args
+    from sglang_eagle3.engine.settings import add_spec_args
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True,
                    help="training run folder (repeatable: runs continued with --init-from, in order); a folder that "
@@ -45,37 +45,41 @@ def build_parser():
     p.add_argument("--goal", type=float, default=3.0, help="τ the trend line is extrapolated to (default 3.0)")
     p.add_argument("--fresh", action="store_true", help="measure every checkpoint again (default: reuse the points "
                    "of --out measured with the same settings)")
-    add_spec_args(p)
+    add_spec_args(p, profile=False)
     return p
 
 
 def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int, dtype: str) -> dict:
-    from ..engine import SpeculativeEngine
-    from ..generate_cli import DTYPES, load_draft
-    from ..verify import SamplingParams
-    from .acceptance import run_conversation
+    from sglang_eagle3.bench.acceptance import run_conversation
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_draft
+    from sglang_eagle3.engine.settings import DTYPES
+    from sglang_eagle3.engine.verify import SamplingParams
     eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), spec)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     out = {}
     for name, convs in prompts.items():
         steps = []
         for turns in convs:
-            steps += run_conversation(eng, turns if name == "mt_bench" else turns[:1], lambda k: params)["accept_lengths"]
+            asked = turns if name == "mt_bench" else turns[:1]
+            steps += run_conversation(eng, asked, lambda k: params)["accept_lengths"]
         out[name] = sum(steps) / max(1, len(steps))
     return out
 
 
 def run(argv=None) -> int:
-    from ..cli import UserError
-    from ..generate_cli import DTYPES, resolve_spec, resolve_target
-    from ..prompts import data_dir, load_prompts
-    from ..target import TargetModel
-    from ..trainer.export import export_checkpoint
-    from ..trainer.logs import read_metrics
-    from ..trainer.run_folder import STATE_FILE
-    from .acceptance import resolve_sets
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.engine.settings import DTYPES, fixed_tree
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.target import TargetModel
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.paths import data_dir
+    from sglang_eagle3.training.trainer.export import export_checkpoint
+    from sglang_eagle3.training.trainer.logs import read_metrics
+    from sglang_eagle3.training.trainer.run_folder import STATE_FILE
     a = build_parser().parse_args(argv)
-    spec, _, _ = resolve_spec(a, None)                    # one tree for every checkpoint (flags, else 5/4/16)
+    spec = fixed_tree(a.num_steps, a.topk, a.num_draft_tokens)     # one tree for every checkpoint (flags, else 5/4/16)
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = {k: load_prompts(p, limit=a.n) for k, p in sets.items()}
     target = TargetModel.from_pretrained(resolve_target(a.target), dtype=DTYPES[a.dtype])
@@ -138,7 +142,8 @@ def run(argv=None) -> int:
                 last = state.get("tokens_seen", 0)
             points.append({"run": key, "step": step, "tokens_seen": last,
                            "tokens_total": offset + last, "tau": tau, "written": written or known[step].get("written")})
-            print(f"{run_dir} step {step}: {offset + last:,} tokens, τ " + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
+            print(f"{run_dir} step {step}: {offset + last:,} tokens, τ "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in tau.items())
                   + (" (earlier)" if reuse else ""), file=sys.stderr, flush=True)
         offset += last
     trends = {k: trend(points, k, a.goal) for k in sets}
@@ -192,7 +197,7 @@ def trend_text(trends: dict, goal: float) -> str:
 
 def parse_run_arg(arg: str):
     """'DIR' -> (DIR, None); 'DIR=DRAFT:TOKENS' -> (DIR, (DRAFT, TOKENS))."""
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     if "=" not in arg:
         return arg, None
     run_dir, _, rest = arg.partition("=")

@@ -24,13 +24,15 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
-from ..config import SpecConfig
-from ..engine import SpeculativeEngine
-from ..generate_cli import DTYPES, load_draft
-from ..prompts import load_prompts
-from ..target import TargetModel
-from ..verify import SamplingParams
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.loader import load_draft
+from sglang_eagle3.engine.prompts import load_prompts
+from sglang_eagle3.engine.settings import DTYPES
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.verify import SamplingParams
+from sglang_eagle3.kernels import decode as kernels
+from sglang_eagle3.kernels import extension
+from sglang_eagle3.models.target import TargetModel
 
 EVAL_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 PHASES = ("draft_extend", "draft_tree", "verify_forward", "accept", "kv_commit", "draft_hold")
@@ -55,16 +57,16 @@ class Runtimes:
         self.hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[dtype_name]).to(device).eval()
         tok = AutoTokenizer.from_pretrained(target_path)
         t0 = time.perf_counter()
-        self.extension_ready = kernels.extension() is not None
+        self.extension_ready = extension.load() is not None
         self.extension_load_s = time.perf_counter() - t0
-        with kernels.using("off"):
+        with extension.using("off"):
             self.eager = TargetModel(self.hf, tok)
         self.fused = TargetModel(self.hf, tok)
         self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto", "fused-amx": "auto"}
         self.fused_other, self.other_name = None, None   # on an AMX CPU: the few-row kernel fused does not use
-        if kernels.amx_usable():
-            amx = not kernels.amx_active()
-            with kernels.using_amx(amx):
+        if extension.amx_usable():
+            amx = not extension.amx_active()
+            with extension.using_amx(amx):
                 self.fused_other = TargetModel(self.hf, tok)
             self.other_name = "fused-amx" if amx else "fused-avx512"
 
@@ -127,7 +129,7 @@ def bench_speed(rt: Runtimes, prompts: list[str], max_new_tokens: int) -> dict:
     ids0 = engines["fused"].encode(chats[0])
     hf_generate(rt.hf, ids0, 8)                                        # warm-up of every path
     for n, e in engines.items():
-        with kernels.using(rt.mode[n]):
+        with extension.using(rt.mode[n]):
             e.generate(chats[:1], SamplingParams(max_new_tokens=8))
     for i, chat in enumerate(tqdm(chats, desc="decode speed", unit="prompt")):
         order = variants[i % 3:] + variants[:i % 3]                     # rotate who goes first
@@ -137,7 +139,7 @@ def bench_speed(rt: Runtimes, prompts: list[str], max_new_tokens: int) -> dict:
             if v == "transformers":
                 toks[v] = hf_generate(rt.hf, engines["fused"].encode(chat), max_new_tokens)
             else:
-                with kernels.using(rt.mode[v]):
+                with extension.using(rt.mode[v]):
                     toks[v] = engines[v].generate([chat], params)[0][0].token_ids
             dt = time.perf_counter() - t0
             runs[v].append({"tokens": len(toks[v]), "seconds": dt, "tokens_per_s": len(toks[v]) / dt})
@@ -164,12 +166,12 @@ def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) 
            "alternated": True, "repeats": repeats}
     forwards = {}
     for name in rt.step_runtimes():
-        with kernels.using(rt.mode[name]):
+        with extension.using(rt.mode[name]):
             forwards[name] = {T: prepared_forward(rt.target(name), context, T) for T in tree_sizes}
     times = {name: {T: [] for T in tree_sizes} for name in forwards}
     for r in range(repeats + 2):                                   # the first two: warm-up, not kept
         for name, by_t in forwards.items():
-            with kernels.using(rt.mode[name]):
+            with extension.using(rt.mode[name]):
                 for T, forward in by_t.items():
                     t = forward()
                     if r >= 2:
@@ -238,11 +240,12 @@ def bench_profile(rt: Runtimes, draft_path: Optional[str], dtype_name: str, prom
                   batches: list[int], steps: int = 20) -> dict:
     """ms per step of each phase (torch.profiler record_function scopes in the speculative worker)."""
     from torch.profiler import ProfilerActivity, profile
-    from ..spec_worker import SpecWorker
+
+    from sglang_eagle3.engine.spec_worker import SpecWorker
     draft = load_draft(draft_path, DTYPES[dtype_name]) if draft_path else None
     out = {}
     for name in ("eager", "fused"):
-        with kernels.using(rt.mode[name]):
+        with extension.using(rt.mode[name]):
             tm = rt.target(name)
             # prepares the draft for this runtime (mode off: plain weights and PyTorch norms)
             eng = SpeculativeEngine(tm, draft, spec) if draft is not None else None
@@ -316,7 +319,7 @@ def bench_compile(rt: Runtimes, context: int, tokens: int = 64) -> dict:
             t1 = time.perf_counter()
             compiled(ids, torch.tensor([p]))
             times.append(time.perf_counter() - t1)
-    with kernels.using("auto"):
+    with extension.using("auto"):
         fused = time_forward(rt.fused, context, 1, 20)
     return {"mode": "torch.compile(dynamic=False, fullgraph=True), inductor defaults", "context": context,
             "compile_and_warmup_s": compile_s, "step_s": statistics.median(times), "fused_step_s": fused,
@@ -329,7 +332,8 @@ def divergence(target_path: str, draft_path: Optional[str], dtype_name: str, pro
     """How many prompts' greedy outputs differ between speculative and vanilla decoding (per 100).
     A correctness count, not a timing: it may run while the machine does other work."""
     from tqdm import tqdm
-    from ..generate_cli import load_engine
+
+    from sglang_eagle3.engine.loader import load_engine
     spec_engine = load_engine(target_path, draft_path, SpecConfig(), dtype_name)
     vanilla = SpeculativeEngine(spec_engine.target, None)
     chats = [[{"role": "user", "content": p}] for p in prompts]

@@ -13,8 +13,8 @@ ways. So "output differs from transformers" alone cannot tell a broken kernel fr
   a free-running greedy decode of that path leaves the reference).
 
 Paths: "amx" (csrc's AMX tile kernel, where the CPU and OS allow it), "avx512" (csrc's AVX-512 BF16 kernel),
-"avx2" (csrc's AVX2 kernel, on CPUs without native bf16), "eager" (no csrc extension: PyTorch's bf16 F.linear), "transformers" (transformers' bf16 model with its own
-cache), "float32" (our runtime in fp32: should agree everywhere).
+"avx2" (csrc's AVX2 kernel, on CPUs without native bf16), "eager" (no csrc extension: PyTorch's bf16 F.linear),
+"transformers" (transformers' bf16 model with its own cache), "float32" (our runtime in fp32: should agree everywhere).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import report
+from sglang_eagle3.bench import report
 
 FORMAT = "sglang_eagle3.bench_fidelity/1"
 PATHS = ("amx", "avx512", "avx2", "eager", "transformers", "float32")
@@ -33,7 +33,7 @@ MARGIN_BINS = (0.0, 0.1, 0.25, 0.5, 1.0, float("inf"))      # fp32 top-1 minus t
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     """[1, P]: the prompt as one user turn, encoded as the engine encodes it."""
-    from ..engine import encode_prompt
+    from sglang_eagle3.engine.engine import encode_prompt
     return torch.tensor([encode_prompt(tokenizer, [{"role": "user", "content": prompt}])])
 
 
@@ -106,28 +106,28 @@ def summarize(per_prompt: list[dict]) -> dict:
 
 def available_paths() -> list[str]:
     """The paths this machine can run (amx needs the CPU, the OS and a build with it; avx512 needs AVX-512 BF16)."""
-    from .. import kernels
-    out = ["amx"] if kernels.amx_usable() else []
-    if kernels.few_row_isa():
-        out.append("avx512" if kernels.cpu_has_bf16() else "avx2")
+    from sglang_eagle3.kernels import extension
+    out = ["amx"] if extension.amx_usable() else []
+    if extension.few_row_isa():
+        out.append("avx512" if extension.cpu_has_bf16() else "avx2")
     return out + ["eager", "transformers", "float32"]
 
 
 def path_logits(name: str, target_path: str) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
     """Load the model for one path; returns a teacher-forcing function (prompt_ids, ref_tokens) -> logits."""
-    from .. import kernels
-    from ..target import TargetModel
+    from sglang_eagle3.kernels import extension
+    from sglang_eagle3.models.target import TargetModel
     if name == "transformers":
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16).eval()
         return lambda ids, ref: teacher_forced_hf(hf, ids, ref)
     dtype = torch.float32 if name == "float32" else torch.bfloat16
     mode = "off" if name == "eager" else "auto"
-    with kernels.using(mode), kernels.using_amx(name == "amx"):
+    with extension.using(mode), extension.using_amx(name == "amx"):
         target = TargetModel.from_pretrained(target_path, dtype=dtype)
 
     def run(ids, ref):
-        with kernels.using(mode):
+        with extension.using(mode):
             return teacher_forced_ours(target, ids, ref)
     return run
 
@@ -208,16 +208,17 @@ def parser() -> argparse.ArgumentParser:
 
 def eval_prompts(datasets: list[str], n: int, data: Optional[str] = None) -> list[str]:
     """The first turns of n prompts, the sets interleaved."""
-    from ..prompts import data_dir, load_prompts
-    from .acceptance import resolve_sets
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.paths import data_dir
     sets = resolve_sets(datasets, data or data_dir())
     pools = [[t[0] for t in load_prompts(path)] for path in sets.values()]
     return [p for group in zip(*pools) for p in group][:n]
 
 
 def run(argv=None) -> int:
-    from ..cli import UserError
-    from ..generate_cli import resolve_target
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.testbed import resolve_target
     a = parser().parse_args(argv)
     if a.n < 1 or a.tokens < 1:
         raise UserError(f"--n and --tokens must be >= 1 (got {a.n}, {a.tokens})")
@@ -238,7 +239,7 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from . import run_cli
+    from sglang_eagle3.bench import run_cli
     return run_cli("bench_fidelity", run, argv)
 
 

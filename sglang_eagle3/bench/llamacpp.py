@@ -15,19 +15,19 @@ import sys
 import time
 from typing import Optional
 
-from .. import llamacpp
-from . import report
+from sglang_eagle3.bench import report
+from sglang_eagle3.formats import llamacpp
 
 
 def gguf_dir(draft: Optional[str]) -> str:
-    from ..testbed import cache_dir
+    from sglang_eagle3.paths import cache_dir
     name = os.path.basename(os.path.normpath(draft)) if draft else "no-draft"
     return os.path.join(cache_dir(), "gguf", name)
 
 
 def ensure_ggufs(target: str, draft: Optional[str]) -> tuple[str, Optional[str]]:
     """(target.gguf, draft.gguf) for these folders, converted once (the draft again when it changed)."""
-    from ..formats.gguf import convert, export_gguf
+    from sglang_eagle3.formats.gguf import convert, export_gguf
     out = gguf_dir(draft)
     tfile = os.path.join(out, "target.gguf")
     if draft is None:
@@ -37,7 +37,8 @@ def ensure_ggufs(target: str, draft: Optional[str]) -> tuple[str, Optional[str]]
         return tfile, None
     dfile = os.path.join(out, "draft.gguf")
     weights = os.path.join(draft, "model.safetensors")
-    stale = not os.path.exists(dfile) or (os.path.exists(weights) and os.path.getmtime(weights) > os.path.getmtime(dfile))
+    stale = not os.path.exists(dfile) or (os.path.exists(weights)
+                                          and os.path.getmtime(weights) > os.path.getmtime(dfile))
     if stale:
         export_gguf(draft, target, out, overwrite=True)
     return tfile, dfile
@@ -48,7 +49,8 @@ def vanilla_decode_tps(target: str, threads: int, n: int = 128) -> dict:
     if not llamacpp.is_built():
         return {"skipped": "no llama.cpp build (make llamacpp)"}
     tfile, _ = ensure_ggufs(target, None)
-    cmd = [llamacpp.tool("llama-bench"), "-m", tfile, "-p", "0", "-n", str(n), "-t", str(threads), "-r", "5", "-o", "json"]
+    cmd = [llamacpp.tool("llama-bench"), "-m", tfile, "-p", "0", "-n", str(n), "-t", str(threads), "-r", "5",
+           "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return {"skipped": f"llama-bench failed: {r.stderr.strip()[-300:]}"}
@@ -88,13 +90,15 @@ def run_speculative(target_gguf: str, draft_gguf: str, prompt_text: str, n_predi
 
 
 def chat_text(tokenizer, prompt: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------
 def build_parser():
-    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
     import argparse
+
+    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the shipped one)")
@@ -111,14 +115,19 @@ def build_parser():
 
 def run(argv=None) -> int:
     import statistics
+
     import torch
-    from ..cli import UserError
-    from ..config import SpecConfig
-    from ..engine import SpeculativeEngine
-    from ..generate_cli import load_engine, resolve_dtype, resolve_target, shipped_draft
-    from ..prompts import data_dir, load_prompts
-    from ..verify import SamplingParams
-    from .acceptance import resolve_sets
+
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.engine.settings import resolve_dtype
+    from sglang_eagle3.engine.speculation import SpecConfig
+    from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.paths import data_dir, shipped_draft
     a = build_parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype)
     if not llamacpp.is_built():
@@ -181,7 +190,8 @@ def render(r: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.1f}"           # noqa: E731
     rows = [[x["draft_length"], f"{x['llamacpp_accepted']:.0f}/{x['llamacpp_drafted']:.0f} "
                                 f"({100 * (x['llamacpp_accept_rate'] or 0):.0f}%)",
-             f"{x['llamacpp_tau']:.2f}", fmt(x.get("llamacpp_vanilla_tokens_per_s")), f"{x['llamacpp_tokens_per_s']:.1f}",
+             f"{x['llamacpp_tau']:.2f}", fmt(x.get("llamacpp_vanilla_tokens_per_s")),
+             f"{x['llamacpp_tokens_per_s']:.1f}",
              report.fmt_speedup(x["llamacpp_speedup"]), f"{x['ours_tau']:.2f}", fmt(x.get("ours_vanilla_tokens_per_s")),
              f"{x['ours_tokens_per_s']:.1f}", f"{x['ours_speedup']:.2f}x"] for x in r["rows"]]
     best_lc = max(r["rows"], key=lambda x: x["llamacpp_tokens_per_s"])
@@ -215,5 +225,5 @@ def plot(r: dict, path: str) -> str:
 
 
 def main(argv=None) -> int:
-    from . import run_cli
+    from sglang_eagle3.bench import run_cli
     return run_cli("bench_llamacpp", run, argv, extra_errors=(RuntimeError,))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import report
-from .tune_grid import tree_grid, tree_key
+from sglang_eagle3.bench import report
+from sglang_eagle3.bench.tune_grid import tree_grid, tree_key
 
 
 def _cycled(prompts: list, bs: int, n: int) -> list:
@@ -17,11 +17,13 @@ def _cycled(prompts: list, bs: int, n: int) -> list:
 def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
     """Vanilla + every grid tree at every batch size, in our engine. Returns the setup description."""
     import time
+
     from tqdm import tqdm
-    from ..config import SpecConfig
-    from ..engine import SpeculativeEngine
-    from ..generate_cli import load_engine
-    from ..verify import SamplingParams
+
+    from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.speculation import SpecConfig
+    from sglang_eagle3.engine.verify import SamplingParams
     trees = tree_grid(a.steps, a.topks, a.ndts)
     incumbents = dict(getattr(a, "incumbents", None) or {})    # batch size -> the tree the profile holds now
     grid_keys = {tree_key(t) for t in trees}
@@ -108,7 +110,7 @@ def chat_texts(prompts: list[str], tokenizer_path: str | None) -> tuple[list[str
 
 def check_same_server_setup(info: dict, tree: dict | None, existing: list[dict]) -> None:
     """Rows of one grid must come from one target (and one draft for the speculative ones)."""
-    from .sglang_client import ServerError
+    from sglang_eagle3.bench.sglang_client import ServerError
     model, draft = info.get("model_path"), info.get("speculative_draft_model_path")
     for r in existing:
         if r.get("server_model", model) != model:
@@ -122,7 +124,8 @@ def check_same_server_setup(info: dict, tree: dict | None, existing: list[dict])
 def measure_server(a, prompts: list, on_rows, existing: list[dict] = ()) -> dict:
     """The server's current tree at every batch size (waves of batch_size concurrent requests)."""
     from tqdm import tqdm
-    from .sglang_client import SGLangClient, server_tree, summarize_meta
+
+    from sglang_eagle3.bench.sglang_client import SGLangClient, server_tree, summarize_meta
     client = SGLangClient(a.sglang_url, timeout=a.timeout)
     info = client.server_info()
     tree = server_tree(info)

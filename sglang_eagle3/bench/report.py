@@ -17,8 +17,8 @@ import subprocess
 import time
 from typing import Any, Iterable, Optional, Sequence
 
-from ..fileio import atomic_write, write_text_atomic
-
+from sglang_eagle3.fileio import atomic_write, write_text_atomic
+from sglang_eagle3.paths import REPO_ROOT
 
 # ---- numbers ---------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ def run_metadata() -> dict:
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     try:
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        repo = REPO_ROOT
         meta["git_commit"] = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
                                             text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Optional
 
-from . import report
+from sglang_eagle3.bench import report
 
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 
@@ -120,7 +120,8 @@ class LocalServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         exe = os.path.join(os.path.dirname(sys.executable), "eagle3")
-        cmd = [exe if os.path.exists(exe) else "eagle3", "serve", "--engine", "builtin", "--port", str(self.port), *args]
+        cmd = [exe if os.path.exists(exe) else "eagle3", "serve", "--engine", "builtin", "--port", str(self.port),
+               *args]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
@@ -196,7 +197,7 @@ def plot(result: dict, path: str) -> str:
 
 # ---- command line ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="a running OpenAI-compatible server, e.g. vanilla=http://127.0.0.1:30000/v1 (repeatable; "
@@ -221,15 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_prompt_texts(data: Optional[str], datasets: str) -> list[str]:
-    from ..prompts import data_dir, load_prompts
-    from .acceptance import resolve_sets
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.paths import data_dir
     sets = resolve_sets(datasets.split(","), data or data_dir())
     per = [[t[0] for t in load_prompts(path)] for path in sets.values()]
     return [p for group in zip(*per) for p in group]                     # interleave the sets
 
 
 def run(argv=None) -> int:
-    from ..cli import UserError
+    from sglang_eagle3.errors import UserError
     a = build_parser().parse_args(argv)
     try:
         levels = [int(x) for x in a.concurrency.split(",")]
@@ -295,5 +297,5 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from . import run_cli
+    from sglang_eagle3.bench import run_cli
     return run_cli("bench_serving", run, argv, extra_errors=(RuntimeError,))

@@ -4,8 +4,8 @@ Rows come from a prepare-data folder; the target computes their features once, u
 so only the trainer's own work is timed: the TTT forward and backward over `ttt_length` steps and the AdamW
 step. Reported: tokens/s per precision (median over alternated rounds), model FLOP/s against the matmul peak
 measured in the same run (a 2048 x 2048 matmul per dtype), and a torch.profiler breakdown of the "before"
-configuration (fp32, the plain log_softmax loss, every chain grown) and the "after" one (bf16 autocast, the fused loss), and
-of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
+configuration (fp32, the plain log_softmax loss, every chain grown) and the "after" one (bf16 autocast, the fused
+loss), and of bf16 with --pack rows end to end per forward (the trainer's --pack-rows, make train's default). The packed
 configuration runs three times: with csrc's loss kernels and only the chains a later step scores grown, with every
 chain grown at every step (the trainer's --grow-chains auto picks this one on CPUs with AMX, the first elsewhere),
 and with every chain and the loss in PyTorch ops. Model FLOPs count the
@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from . import report
-from ..ttt import chains_to_grow
+from sglang_eagle3.bench import report
+from sglang_eagle3.training.ttt import chains_to_grow
 
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10, budget_s: float = 2.0) -> float:
@@ -91,15 +91,15 @@ def build_parser():
 
 
 def run(argv=None) -> int:
-    from .. import kernels
-    from ..cli import UserError
-    from ..config import Eagle3Config
-    from ..draft import Eagle3DraftModel
-    from ..hidden_dump import load_token_rows
-    from ..target import TargetModel
-    from ..testbed import resolve_target
-    from ..trainer.backend import adamw
-    from ..ttt import ttt_forward
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.kernels import extension
+    from sglang_eagle3.models.config import Eagle3Config
+    from sglang_eagle3.models.draft import Eagle3DraftModel
+    from sglang_eagle3.models.target import TargetModel
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.training.hidden_dump import load_token_rows
+    from sglang_eagle3.training.trainer.backend import adamw
+    from sglang_eagle3.training.ttt import ttt_forward
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     fits = [r for r in load_token_rows(a.data) if a.min_len <= len(r[0]) <= a.max_len]
@@ -135,7 +135,7 @@ def run(argv=None) -> int:
                f"{packed_name}, online (`make train ONLINE=1`)": (True, True, True, a.pack, True, False)}
 
     def one_round(autocast: bool, fused: bool, online: bool, pack: int, kernel: bool, grow_all: bool) -> float:
-        with kernels.using("auto" if kernel else "off"):
+        with extension.using("auto" if kernel else "off"):
             return _round(autocast, fused, online, pack, grow_all)
 
     def _round(autocast: bool, fused: bool, online: bool, pack: int, grow_all: bool) -> float:
@@ -200,7 +200,7 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from . import run_cli
+    from sglang_eagle3.bench import run_cli
     return run_cli("bench_trainer", run, argv)
 
 

@@ -9,13 +9,15 @@ Two backends:
       the server with the next tree (and once without speculation, for the baseline) and run again with
       the same --out: the profile is rebuilt from all rows gathered so far.
 
-Outputs (from --out PROFILE.json): PROFILE.json (read by sglang_eagle3.bench.tune.load_profile), PROFILE.grid.json (every
-measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
+Outputs (from --out PROFILE.json): PROFILE.json (read by sglang_eagle3.bench.tune.load_profile), PROFILE.grid.json
+(every measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
 SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
 
 The best tree depends on the host: on a CPU with AMX tiles a verify of 8 tokens costs ~1.2x a one-token step, with
-the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens, 1.1x for 4 and ~1.7x for 8 (a Zen 3, context 256; more at longer contexts), so a draft's
-profile can hold a table per kind of host (by_host, keyed by config.host_kind(): amx, avx512_bf16, avx2, cpu, cuda). --host-table-into PROFILE stores this run's table there (with
+the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens, 1.1x for 4 and ~1.7x for 8 (a Zen
+3, context 256; more at longer contexts), so a draft's profile can hold a table per kind of host (by_host, keyed by
+engine/speculation.host_kind(): amx, avx512_bf16, avx512f, avx2, cpu, cuda). --host-table-into PROFILE stores this
+run's table there (with
 --temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
 table elsewhere. With --long-context TOKENS it stores the run's trees as that host's long-context table instead
 (greedy steps whose longest row holds TOKENS or more use it: a verify's attention grows with the context); tune it
@@ -33,11 +35,19 @@ import json
 import os
 import sys
 
-from . import report, run_cli
-from .tune_grid import (ADAPTIVE_NOTE, ProfileError, by_batch_size, adaptive_config, launch_flags, parse_ints,
-                        select_best, tree_key)
+from sglang_eagle3.bench import report, run_cli
+from sglang_eagle3.bench.tune_grid import (
+    ADAPTIVE_NOTE,
+    ProfileError,
+    adaptive_config,
+    by_batch_size,
+    launch_flags,
+    parse_ints,
+    select_best,
+    tree_key,
+)
+from sglang_eagle3.engine.speculation import PROFILE_FORMAT  # noqa: E402
 
-from ..config import PROFILE_FORMAT  # noqa: E402
 GRID_FORMAT = "sglang_eagle3.tune_grid/1"
 
 
@@ -47,7 +57,8 @@ GRID_FORMAT = "sglang_eagle3.tune_grid/1"
 def load_profile(path: str, batch_size: int):
     """The tree to use at batch_size (SpecConfig), or None for vanilla decoding (config.SpecProfile's routing:
     a batch size without its own entry uses the largest measured one below it, else the smallest above)."""
-    from ..config import ConfigError, SpecProfile
+    from sglang_eagle3.engine.speculation import SpecProfile
+    from sglang_eagle3.models.config import ConfigError
     if not os.path.isfile(path):
         raise FileNotFoundError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
     try:
@@ -122,8 +133,8 @@ def plot_grid(rows: list[dict], best: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate_cli import AUTO_DTYPE_HELP, DTYPE_CHOICES
-    from ..prompts import data_dir
+    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.paths import data_dir
     p = argparse.ArgumentParser(prog="tune_spec.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2); "
@@ -171,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by_host[amx|avx512_bf16|avx2|cpu]; with --temperature > 0 that host's sampled table), which "
                         "the engine and server use on such hosts; the rest of PROFILE stays as it is")
     p.add_argument("--long-context", type=int, default=None, metavar="TOKENS",
-                   help="with --host-table-into PROFILE, at --temperature 0: store this run's best trees as that host's "
-                        "table for steps whose longest row holds at least TOKENS tokens (long_context), which the "
-                        "engine and server then use there; measure it over prompts that long (e.g. --dataset sum)")
+                   help="with --host-table-into PROFILE, at --temperature 0: store this run's best trees as that "
+                        "host's table for steps whose longest row holds at least TOKENS tokens (long_context), which "
+                        "the engine and server then use there; measure it over prompts that long (e.g. --dataset sum)")
     return p
 
 
@@ -181,14 +192,15 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
     """{batch size: tree} that the profile this run may replace holds now (--host-table-into PROFILE, else the
     draft's spec_profile.json; this host kind's table where it has one; the sampled table at --temperature > 0),
     and where they came from. Batch sizes without speculation there give their fastest measured tree."""
-    from ..cli import UserError
-    from ..config import ConfigError, SpecProfile, host_kind
-    from ..generate_cli import draft_profile
+    from sglang_eagle3.engine.settings import load_profile
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.config import ConfigError
     if a.no_incumbent:
         return {}, None
     try:
         prof = SpecProfile.load(a.host_table_into, host=host_kind("cpu")) if a.host_table_into else \
-            draft_profile(a.draft)
+            load_profile(None, a.draft)[0]
     except ConfigError as e:
         raise UserError(str(e)) from None
     if prof is None:
@@ -206,8 +218,8 @@ def add_host_table(path: str, best: dict, setup: dict, grid_path: str, long_cont
     'sampled' table, next to a greedy one measured first; long_context: its table for steps at that many tokens or
     more, likewise). Batch sizes this run did not measure keep the tree this kind of host ran before (its by_host
     table, else the profile's own), so re-tuning batch 1 alone leaves the others as they were. Returns the kind."""
-    from ..cli import UserError
-    from ..config import SpecProfile, host_kind
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    from sglang_eagle3.errors import UserError
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
     prof = report.read_json(path)
     kind = host_kind("cpu")
@@ -240,8 +252,9 @@ def check_long_prompts(target: str, prompts: list[str], min_tokens: int, dataset
     """A long-context table must be measured where it will be used: refuse prompts whose chat-encoded median
     length is below min_tokens (one line naming the set)."""
     from transformers import AutoTokenizer
-    from ..cli import UserError
-    from ..engine import encode_prompt
+
+    from sglang_eagle3.engine.engine import encode_prompt
+    from sglang_eagle3.errors import UserError
     tok = AutoTokenizer.from_pretrained(target)
     lengths = sorted(len(encode_prompt(tok, [{"role": "user", "content": p}])) for p in prompts)   # as tune runs them
     median = lengths[len(lengths) // 2]
@@ -258,7 +271,7 @@ def _merged(before: dict, best: dict) -> dict:
 
 def add_sampled_table(path: str, best: dict, setup: dict, grid_path: str) -> None:
     """PROFILE['sampled'] = this (sampled) run's best trees; the rest of PROFILE stays as it is."""
-    from ..config import SpecProfile
+    from sglang_eagle3.engine.speculation import SpecProfile
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
     with open(path) as f:
         prof = json.load(f)
@@ -292,11 +305,14 @@ def _differs(best: dict, adaptive: dict | None) -> list[int]:
 
 def run(argv=None) -> int:
     import torch
-    from ..cli import UserError
-    from ..generate_cli import resolve_dtype, resolve_target, shipped_draft
-    from ..prompts import load_prompts
-    from .acceptance import resolve_sets
-    from .measure import measure_engine, measure_server
+
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.bench.measure import measure_engine, measure_server
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.engine.settings import resolve_dtype
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.paths import shipped_draft
 
     a = build_parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype)
@@ -349,7 +365,7 @@ def run(argv=None) -> int:
         report.write_json_atomic(grid_path, state)
 
     if a.sglang_url:
-        from .sglang_client import ServerError
+        from sglang_eagle3.bench.sglang_client import ServerError
         try:
             where = measure_server(a, prompts, on_rows, existing=rows)
         except ServerError as e:

@@ -1,7 +1,8 @@
 """tune_spec's grid and choice: the trees to measure, the best tree per batch size, SGLang's adaptive config."""
 from __future__ import annotations
 
-from . import report
+from sglang_eagle3.bench import report
+from sglang_eagle3.errors import UserError
 
 ADAPTIVE_NOTE = (
     "SGLang 0.5.23 --speculative-adaptive-config: integer batch-size keys, each with candidate_steps; a batch "
@@ -11,7 +12,7 @@ ADAPTIVE_NOTE = (
     "lengths within the tolerance of the best chain (and 0 where vanilla decoding is as fast or faster).")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
     pass
 
 
@@ -19,7 +20,6 @@ class ProfileError(ValueError):
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
-    from ..cli import UserError
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -32,7 +32,7 @@ def parse_ints(text: str, flag: str) -> list[int]:
 def tree_grid(steps: list[int], topks: list[int], ndts: list[int]) -> list[dict]:
     """Distinct valid trees; num_draft_tokens is capped at what (steps, topk) can draft, and num_steps at
     num_draft_tokens - 1 (the deepest node such a tree can hold: deeper levels are drafted for nothing)."""
-    from ..config import SpecConfig
+    from sglang_eagle3.engine.speculation import SpecConfig
     seen, out = set(), []
     for s in steps:
         for k in topks:
@@ -48,7 +48,9 @@ def tree_grid(steps: list[int], topks: list[int], ndts: list[int]) -> list[dict]
 
 
 def tree_key(tree: dict | None) -> str:
-    return "vanilla" if tree is None else f"steps={tree['num_steps']} topk={tree['topk']} ndt={tree['num_draft_tokens']}"
+    if tree is None:
+        return "vanilla"
+    return f"steps={tree['num_steps']} topk={tree['topk']} ndt={tree['num_draft_tokens']}"
 
 
 # ---- selection -------------------------------------------------------------------------------

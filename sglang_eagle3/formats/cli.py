@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import UserError
-from . import FORMATS, FolderError, FormatError, export_draft, import_draft
+from sglang_eagle3.errors import UserError
+from sglang_eagle3.formats.convert import FolderError, export_draft, import_draft
+from sglang_eagle3.formats.layouts import FORMATS, FormatError
 
 
 def _report(out: str, fmt: str, findings, notes) -> None:
-    from ..check_draft import WARN
+    from sglang_eagle3.formats.check_draft import WARN
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     for f in findings:
@@ -19,7 +20,7 @@ def _report(out: str, fmt: str, findings, notes) -> None:
 
 
 def _run(fn, *args, **kwargs):
-    from .files import TargetError
+    from sglang_eagle3.formats.files import TargetError
     try:
         return fn(*args, **kwargs)
     except (FolderError, FormatError, TargetError, FileExistsError) as e:
@@ -28,7 +29,7 @@ def _run(fn, *args, **kwargs):
 
 def _export(args) -> int:
     if args.format == "gguf":
-        from .gguf import GGUFExportError, export_gguf
+        from sglang_eagle3.formats.gguf import GGUFExportError, export_gguf
         try:
             summary = export_gguf(args.draft, args.target, args.out, overwrite=args.force)
         except GGUFExportError as e:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import files
+from sglang_eagle3.formats import files
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 OFFICIAL_ARCH = "LlamaForCausalLM"

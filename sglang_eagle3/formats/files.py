@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
-from ..fileio import usual_permissions
+from sglang_eagle3.errors import UserError
+from sglang_eagle3.fileio import usual_permissions
 
 
-class FolderError(ValueError):
+class FolderError(UserError, ValueError):
     """A draft folder whose files cannot be read; the message names the file."""
 
 
@@ -141,7 +142,7 @@ def _usual_permissions(directory: str) -> None:
             usual_permissions(path)
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """A target whose config.json cannot be read."""
 
 

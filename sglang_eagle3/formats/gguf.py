@@ -23,10 +23,12 @@ import sys
 import tempfile
 from typing import Optional
 
+from sglang_eagle3.errors import UserError
+
 GGUF_FILES = ("target.gguf", "draft.gguf")
 
 
-class GGUFExportError(ValueError):
+class GGUFExportError(UserError, ValueError):
     pass
 
 
@@ -37,7 +39,7 @@ def llamacpp_layer_ids(our_ids: list[int]) -> list[int]:
 
 def draft_source(draft_dir: str, work: str) -> str:
     """A copy of the draft folder whose config.json names the layers in llama.cpp's convention."""
-    from ..config import Eagle3Config
+    from sglang_eagle3.models.config import Eagle3Config
     cfg = Eagle3Config.load(draft_dir)
     if cfg.fc_norm or cfg.norm_output:
         raise GGUFExportError(f"{draft_dir}: an EAGLE-3.1 draft (fc_norm / norm_output); the pinned llama.cpp "
@@ -58,7 +60,7 @@ def draft_source(draft_dir: str, work: str) -> str:
 def convert(src: str, outfile: str, target_dir: Optional[str] = None, outtype: str = "bf16",
             llamacpp_root: Optional[str] = None) -> None:
     """Run the pinned llama.cpp converter (its gguf-py first on the path); atomic: OUT.tmp then rename."""
-    from .. import llamacpp
+    from sglang_eagle3.formats import llamacpp
     root = llamacpp.fetch_source(llamacpp_root or llamacpp.root_dir())
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                NO_LOCAL_GGUF="")
@@ -78,13 +80,14 @@ def convert(src: str, outfile: str, target_dir: Optional[str] = None, outtype: s
 def export_gguf(draft_dir: str, target_dir: str, out: str, overwrite: bool = False, outtype: str = "bf16",
                 llamacpp_root: Optional[str] = None) -> dict:
     """DRAFT + TARGET -> OUT/draft.gguf (+ OUT/target.gguf, reused when already there). Returns a summary."""
-    from ..check_draft import ERROR, check_draft
+    from sglang_eagle3.formats.check_draft import ERROR, check_draft
     if target_dir is None or not os.path.isdir(target_dir):
         raise GGUFExportError("--format gguf needs --target: a local HF folder (llama.cpp's converter reads its "
                               "config, tokenizer and, for target.gguf, its weights)")
     errors = [f for f in check_draft(draft_dir, target_dir) if f.status == ERROR]
     if errors:
-        raise GGUFExportError(f"{draft_dir} fails check-draft against {target_dir}: {errors[0].check}: {errors[0].detail}")
+        raise GGUFExportError(f"{draft_dir} fails check-draft against {target_dir}: {errors[0].check}: "
+                              f"{errors[0].detail}")
     os.makedirs(out, exist_ok=True)
     dfile, tfile = os.path.join(out, "draft.gguf"), os.path.join(out, "target.gguf")
     if os.path.exists(dfile) and not overwrite:
@@ -93,11 +96,11 @@ def export_gguf(draft_dir: str, target_dir: str, out: str, overwrite: bool = Fal
         convert(draft_source(draft_dir, work), dfile, target_dir, outtype, llamacpp_root)
     if not os.path.exists(tfile) or overwrite:
         convert(target_dir, tfile, None, outtype, llamacpp_root)
-    from ..config import Eagle3Config
+    from sglang_eagle3.models.config import Eagle3Config
     ids = Eagle3Config.load(draft_dir).aux_layer_ids
     summary = {"draft": os.path.abspath(draft_dir), "target": os.path.abspath(target_dir), "outtype": outtype,
                "files": [dfile, tfile], "our_layer_ids": ids, "llamacpp_target_layers": llamacpp_layer_ids(ids)}
-    from ..fileio import write_json
+    from sglang_eagle3.fileio import write_json
     write_json(os.path.join(out, "gguf_export.json"), summary)
     return summary
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import files
+from sglang_eagle3.formats import files
 
 ARCH = "Eagle3Speculator"
 TOP_LEVEL = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")

@@ -1,0 +1,139 @@
+"""bench_decode's report: the Markdown text with each target marked met / not met, and the PNG."""
+from __future__ import annotations
+
+from sglang_eagle3.bench import decode as D
+from sglang_eagle3.bench.report import format_table, save_figure, subplots
+
+STEP_RUNTIMES = ("eager", "fused", "fused-avx512", "fused-amx")   # on AMX CPUs: the few-row kernel fused does not use
+
+
+def _ms(x):
+    return f"{x * 1e3:.1f}"
+
+
+def render(res, a) -> str:
+    out, checks = [], []
+    m = res["meta"]
+    out.append(f"Target {m['target']}, {m['dtype']}, batch 1, {m['threads']} threads. eager = plain PyTorch "
+               f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default); on CPUs with AMX, "
+               f"fused-avx512 / fused-amx = the same with the few-row kernel the default does not use.")
+    if "extension" in res:
+        e = res["extension"]
+        out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}"
+                   f"{' (few-row linears: ' + str(e.get('few_row_kernel')) + ')' if e['built'] else ''}, "
+                   f"loaded in {e['load_s']:.2f} s (compiled once into the cache at install; ~20 s the first time)")
+    s = res.get("speed")
+    if s:
+        med = s["median_tokens_per_s"]
+        rows = [[name, f"{med[name]:.1f}"] for name in ("transformers", "eager", "fused")]
+        lc = res.get("llamacpp") or {}
+        if lc.get("tokens_per_s"):
+            rows.append(["llama.cpp (llama-bench tg)", f"{lc['tokens_per_s']:.1f}"])
+        out += ["", f"Decode tokens/s, median over {s['prompts']} MT-bench prompts, {s['max_new_tokens']} new tokens "
+                    f"(alternated per prompt)", format_table(["runtime", "tokens/s"], rows),
+                f"fused / transformers {s['ratio_fused_over_transformers']:.2f}x, eager / transformers "
+                f"{s['ratio_eager_over_transformers']:.2f}x, fused / eager {s['ratio_fused_over_eager']:.2f}x; "
+                f"fused identical to transformers on {s['identical']['fused_vs_transformers']}/{s['prompts']}, "
+                f"to eager on {s['identical']['fused_vs_eager']}/{s['prompts']} prompts (bf16 near-ties can differ)"]
+        checks.append(("vanilla >= 2.5x transformers' generate", s["ratio_fused_over_transformers"] >= 2.5,
+                       f"{s['ratio_fused_over_transformers']:.2f}x"))
+        if lc.get("tokens_per_s"):
+            r = med["fused"] / lc["tokens_per_s"]
+            checks.append(("vanilla >= 0.6x llama.cpp's decode", r >= 0.6, f"{r:.2f}x ({med['fused']:.1f} vs "
+                                                                             f"{lc['tokens_per_s']:.1f} tok/s)"))
+        elif lc:
+            out.append(f"llama.cpp: {lc.get('skipped')}")
+    st = res.get("step")
+    if st:
+        rows = [[n, _ms(st[n]["step_s"]), f"{st['weight_bytes'] / 1e6:.0f}", f"{st['read_bandwidth_gbs']:.1f}",
+                 _ms(st["floor_s"]), f"{st[n]['step_over_floor']:.2f}x"] for n in STEP_RUNTIMES if n in st]
+        out += ["", f"One decode step at context {st['context']} vs its memory floor (weight bytes / read bandwidth)",
+                format_table(["runtime", "step ms", "weight MB", "read GB/s", "floor ms", "step / floor"], rows)]
+        sizes = list(st["fused"]["verify_relative"])
+        rows = [[n] + [f"{st[n]['verify_relative'][T]:.2f}" for T in sizes] for n in STEP_RUNTIMES if n in st]
+        out += ["", "Verify forward over T tokens, cost relative to T = 1",
+                format_table(["runtime"] + [f"T={T}" for T in sizes], rows)]
+        checks.append(("decode step <= 2x its floor", st["fused"]["step_over_floor"] <= 2.0,
+                       f"{st['fused']['step_over_floor']:.2f}x"))
+        if "8" in st["fused"]["verify_relative"]:
+            v8 = st["fused"]["verify_relative"]["8"]
+            checks.append(("verify of 8 tokens <= 1.3x a 1-token step", v8 <= 1.3, f"{v8:.2f}x"))
+    tr = res.get("trees")
+    if tr:
+        rows = []
+        for r in tr["trees"]:
+            t = r["tree"]
+            rows.append([f"{t['num_steps']}/{t['topk']}/{t['num_draft_tokens']}", f"{r['draft_over_step']:.2f}",
+                         f"{r['verify_over_step']:.2f}", f"{r['draft_over_verify']:.2f}",
+                         f"{r['breakeven_accept_length']:.2f}", f"{r['accept_length']:.2f}",
+                         f"{r['predicted_speedup']:.2f}x", f"{r['measured_speedup']:.2f}x"])
+        out += ["", f"Tree shapes with draft {tr['draft']} ({tr['prompts']} MT-bench prompts, {tr['max_new_tokens']} "
+                    f"tokens; per decode step, relative to one vanilla step of {_ms(tr['vanilla_step_s'])} ms)",
+                format_table(["steps/topk/tokens", "draft", "verify", "draft/verify", "break-even τ", "τ reached",
+                              "τ / break-even", "measured speed-up"], rows)]
+        dt = m.get("demo_tree") or [3, 2, 6]
+        demo = next((r for r in tr["trees"] if [r["tree"]["num_steps"], r["tree"]["topk"],
+                                                r["tree"]["num_draft_tokens"]] == dt), None)
+        name = "/".join(map(str, dt))
+        if demo:
+            checks.append((f"drafting the demo tree ({name}) <= 30% of one verify", demo["draft_over_verify"] <= 0.3,
+                           f"{100 * demo['draft_over_verify']:.0f}%"))
+            checks.append((f"break-even τ <= 1.4 for the demo tree ({name})", demo["breakeven_accept_length"] <= 1.4,
+                           f"{demo['breakeven_accept_length']:.2f}"))
+    pr = res.get("profile")
+    if pr:
+        keys = list(pr)
+        phases = [p for p in D.PHASES if any(p in pr[k]["phases_ms"] for k in keys)]
+        rows = [[k, _ms(pr[k]["step_ms"] / 1e3)] + [f"{pr[k]['phases_ms'].get(p, 0):.2f}" for p in phases]
+                for k in keys]
+        out += ["", f"Where a step's time goes (ms per step, torch.profiler; tree "
+                    f"{'/'.join(map(str, m.get('demo_tree') or [3, 2, 6]))})",
+                format_table(["runtime/step/batch", "step ms"] + phases, rows)]
+    cp = res.get("compile")
+    if cp:
+        out += ["", f"torch.compile of a plain decode step ({cp['mode']}): {_ms(cp['step_s'])} ms per step after "
+                    f"{cp['compile_and_warmup_s']:.0f} s of compiling and warm-up, vs {_ms(cp['fused_step_s'])} ms for "
+                    f"the fused step ({cp['compiled_over_fused']:.2f}x): "
+                    + ("the fused kernels are kept." if cp["compiled_over_fused"] >= 1 else
+                       "torch.compile is faster here.")]
+    dv = res.get("divergence")
+    if dv:
+        out += ["", f"{dv['dtype']}: speculative vs vanilla greedy outputs differ on {dv['differ']}/{dv['prompts']} "
+                    f"prompts ({dv['per_100']:.1f} per 100, {dv['tokens_each']} tokens each; numerical near-ties)"]
+    if checks:
+        out += ["", "Targets", format_table(["target", "met", "measured"],
+                                            [[n, "yes" if ok else "NO", v] for n, ok, v in checks])]
+    return "\n".join(out)
+
+
+def plot(res, path):
+    fig, axes = subplots(1, 3, figsize=(16, 4.2))
+    s = res.get("speed")
+    if s:
+        names = ["transformers", "eager", "fused"]
+        vals = [s["median_tokens_per_s"][n] for n in names]
+        if (res.get("llamacpp") or {}).get("tokens_per_s"):
+            names.append("llama.cpp")
+            vals.append(res["llamacpp"]["tokens_per_s"])
+        axes[0].bar(names, vals)
+        axes[0].set(ylabel="tokens/s (median)", title="Vanilla decode, batch 1")
+    st = res.get("step")
+    if st:
+        for n in (n for n in STEP_RUNTIMES if n in st):
+            sizes = [int(T) for T in st[n]["verify_relative"]]
+            axes[1].plot(sizes, list(st[n]["verify_relative"].values()), marker="o", label=n)
+        axes[1].set(xscale="log", xlabel="tokens in the verify forward", ylabel="cost / one-token forward",
+                    title="Verify cost vs tree size")
+        axes[1].legend()
+    tr = res.get("trees")
+    if tr:
+        labels = [f"{r['tree']['num_steps']}/{r['tree']['topk']}/{r['tree']['num_draft_tokens']}" for r in tr["trees"]]
+        x = list(range(len(labels)))
+        axes[2].bar([i - 0.2 for i in x], [r["breakeven_accept_length"] for r in tr["trees"]], 0.4,
+                    label="break-even τ")
+        axes[2].bar([i + 0.2 for i in x], [r["accept_length"] for r in tr["trees"]], 0.4, label="τ reached")
+        axes[2].set_xticks(x, labels)
+        axes[2].set(xlabel="num_steps/topk/num_draft_tokens", ylabel="tokens per target forward",
+                    title="Break-even vs reached acceptance")
+        axes[2].legend()
+    save_figure(fig, path)

@@ -1,0 +1,87 @@
+"""`make demo`: speculative decoding on the embedded target, vanilla alongside, text plus stats."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.loader import engine_from_settings
+from sglang_eagle3.engine.prompts import load_prompts
+from sglang_eagle3.engine.settings import (
+    add_compile_arg,
+    add_dtype_arg,
+    add_spec_args,
+    apply_compile_arg,
+    settings_from_args,
+)
+from sglang_eagle3.engine.verify import SamplingParams
+from sglang_eagle3.kernels import extension
+from sglang_eagle3.models.testbed import resolve_target
+from sglang_eagle3.paths import data_dir
+
+FALLBACK_PROMPTS = ["Give me three tips for staying focused while studying.",
+                    "Write a short poem about autumn leaves.",
+                    "Explain what a hash table is in two sentences."]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", default=data_dir())
+    ap.add_argument("--n", type=int, default=3, help="MT-bench prompts to run")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    add_dtype_arg(ap)
+    ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
+    add_spec_args(ap)
+    add_compile_arg(ap)
+    a = ap.parse_args(argv)
+    apply_compile_arg(a)
+    t0 = time.perf_counter()
+    ext = extension.load()
+    ext_s = time.perf_counter() - t0
+
+    mt = os.path.join(a.data, "eval", "mt_bench.jsonl")
+    if os.path.isfile(mt):
+        prompts = [t[0] for t in load_prompts(mt, limit=a.n)]
+    else:
+        prompts = FALLBACK_PROMPTS[:a.n]
+        print(f"note: {mt} not found (DATA={a.data}): using {len(prompts)} built-in prompts instead of MT-bench\n")
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(max_new_tokens=a.max_new_tokens)
+    settings = settings_from_args(a, a.draft, batch_size=len(chats))
+    note = ""
+    if settings.draft is None and a.draft is None:
+        from sglang_eagle3.models.cli import init_draft
+        random_draft = os.path.join(os.path.dirname(resolve_target(None)), "random-draft")
+        if not os.path.isdir(random_draft):
+            init_draft("testbed", random_draft, draft_vocab_size=8192)
+        settings = settings_from_args(a, random_draft, batch_size=len(chats))
+        note = " (no trained draft shipped: a RANDOM draft, so expect accept length ~1)"
+    spec_engine = engine_from_settings(None, settings)
+    vanilla = SpeculativeEngine(spec_engine.target, None)
+    few = extension.status()["few_row_kernel"]
+    linears = {"amx": "AMX tile", "avx512_bf16": "AVX-512 BF16",
+               "avx512f": "AVX-512F (bf16 weights widened in registers)",
+               "avx2": "AVX2 + FMA (bf16 weights widened in registers)"}
+    runtime = (f"compiled CPU path: {linears.get(few, 'oneDNN')} bf16 linears + C++ attention/norm kernels "
+               f"(extension loaded in {ext_s:.1f} s; built once at install)" if ext is not None else
+               "eager PyTorch" + (f" (C++ extension unavailable: {extension.status()['extension_error']})"
+                                  if a.compile == "auto" else " (--compile off)"))
+    print(f"target: {resolve_target(None)}\ndraft:  {settings.draft}{note}\ntree:   {settings.describe()}\n"
+          f"dtype:  {settings.dtype}, threads: {torch.get_num_threads()}\nengine: {runtime}\n")
+    van_out, van = vanilla.generate(chats, params)
+    spec_out, spec_stats = spec_engine.generate(chats, params)
+    for p, o, v in zip(prompts, spec_out, van_out):
+        same = "identical to vanilla" if o.token_ids == v.token_ids else "DIFFERS from vanilla (bf16 near-tie)"
+        print(f">>> {p}\n{o.text}\n[{len(o.token_ids)} tokens, accept length {o.accept_length:.2f}, {same}]\n")
+    print(f"{'':12}{'tokens':>8}{'steps':>8}{'accept len':>12}{'tok/s':>9}")
+    for name, st in (("vanilla", van), ("speculative", spec_stats)):
+        print(f"{name:12}{st.generated_tokens:>8}{st.verify_steps:>8}{st.accept_length:>12.2f}{st.tokens_per_s:>9.1f}")
+    print(f"speed-up: {spec_stats.tokens_per_s / van.tokens_per_s:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

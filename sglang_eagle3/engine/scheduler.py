@@ -1,0 +1,310 @@
+"""The scheduler: request queue, per-request state, pool rows, stop checks, incremental detokenization.
+
+Its loop (`step`): admit waiting requests into free rows (prefill; the first token comes from it) ->
+one speculative step for every running row -> append the emitted tokens to each request, checking EOS,
+max_tokens and stop strings -> free the rows of finished requests. Requests join and leave at step
+boundaries (continuous batching); each keeps its own sampling parameters, generator and stop strings.
+`SpeculativeEngine.generate` (offline) and the HTTP server both drive this one path.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from sglang_eagle3.engine.spec_worker import SpecWorker, StepTimes
+from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
+from sglang_eagle3.errors import UserError
+
+
+class RequestError(UserError, ValueError):
+    """A request that cannot be served as asked (too long for the context, empty prompt, ...)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests waiting; the caller should retry later."""
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing list of token ids, decoding only a short window each time (the offsets
+    scheme of TGI / vLLM): an incomplete UTF-8 sequence at the end is held back until it completes."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if full.endswith("\ufffd") or len(full) < len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: Any = None
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    listener: Optional[Callable[["Request", str], None]] = None   # called with each text delta, "" at the end
+    # state
+    output_ids: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)     # tokens kept per target forward (prefill: 1)
+    output_logprobs: Optional[list[TokenLogprob]] = None        # one per output token when params.logprobs is set
+    text: str = ""
+    finish_reason: Optional[str] = None                         # eos | length | stop | cancelled | error
+    error: Optional[str] = None
+    row: Optional[int] = None
+    generator: Optional[torch.Generator] = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    detok: Optional[IncrementalDetokenizer] = None
+    cancelled: bool = False                                    # set from any thread; honoured at a step boundary
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def accept_length(self) -> float:
+        return len(self.output_ids) / max(1, self.verify_steps)
+
+
+@dataclass
+class SchedulerStats:
+    generated_tokens: int = 0
+    verify_steps: int = 0          # target forwards per request that produced tokens (prefill included)
+    steps: int = 0                 # batched decoding steps
+    finished: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
+
+
+class Scheduler:
+    def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
+                 max_running: int = 8, max_len: int = 2048, max_queue: int = 256, eos_ids: Optional[set] = None):
+        self.target, self.draft, self.tokenizer = target, draft, target.tokenizer
+        self.spec = (spec or SpecConfig()) if draft is not None else None
+        self.profile = profile if draft is not None else None
+        trees = self.profile.trees() if self.profile else [self.spec] if self.spec else []
+        self.tree_slots = max((t.num_draft_tokens for t in trees), default=1)      # target slots a verify writes
+        draft_slots = max((t.num_steps * t.topk for t in trees), default=0)         # draft slots a tree writes
+        self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots)
+        self.max_running, self.max_len, self.max_queue = max_running, max_len, max_queue
+        self.context_len = int(getattr(target.hf_config, "max_position_embeddings", 0) or 0) or None
+        self.eos_ids = eos_ids if eos_ids is not None else set()
+        self.free_rows = list(range(max_running - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self.cond = threading.Condition()
+        self._stop = False
+
+    # ---- requests ------------------------------------------------------------------------------
+    def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
+        if num_prompt == 0:
+            raise RequestError("empty prompt (no tokens after tokenization)")
+        need = num_prompt + max_new_tokens + self.tree_slots
+        if self.context_len and need > self.context_len:
+            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} "
+                               f"draft slots = {need} exceeds the target's context of {self.context_len} tokens")
+        if need > self.max_len:
+            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} "
+                               f"draft slots = {need} exceeds the {self.max_len} KV slots per request")
+
+    def submit(self, req: Request) -> Request:
+        self.check_fits(len(req.prompt_ids), req.params.max_new_tokens)
+        if not req.params.greedy:
+            req.generator = torch.Generator(device=self.target.device)
+            req.generator.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
+        req.detok = IncrementalDetokenizer(self.tokenizer)
+        req.output_logprobs = None if req.params.logprobs is None else []
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.max_queue})")
+            self.waiting.append(req)
+            self.cond.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request at the next step boundary (a client went away); its row is freed there."""
+        with self.cond:
+            req.cancelled = True
+            self.cond.notify_all()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def idle(self) -> bool:
+        """Nothing queued or running and every row free (a leak would show here)."""
+        return not self.has_work() and len(self.free_rows) == self.max_running
+
+    def load(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting), "free_rows": len(self.free_rows),
+                "max_running": self.max_running}
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def spec_for(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
+        """The step's tree: the profile's for this many running requests (its sampled table when one of them
+        samples, its long-context table when the longest holds `context` tokens or more), else the fixed tree."""
+        if self.draft is None:
+            return None
+        return self.profile.for_batch_size(batch_size, sampled, context) if self.profile else self.spec
+
+    def step(self) -> None:
+        """Admit -> one step for all running rows -> process results -> free rows."""
+        for req in self.running:
+            if req.cancelled and not req.finished:
+                req.finish_reason = "cancelled"
+        self._release()
+        self._admit()
+        active = [r for r in self.running if not r.finished]
+        if active:
+            context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
+            res = self.worker.step([r.row for r in active], [r.params for r in active],
+                                   [r.generator for r in active],
+                                   self.spec_for(len(active), any(not r.params.greedy for r in active), context))
+            self.stats.steps += 1
+            self.stats.times.add(res.times)
+            for i, (req, tokens) in enumerate(zip(active, res.emitted)):
+                self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
+        self._release()
+
+    def _admit(self) -> None:
+        while self.free_rows:
+            with self.cond:
+                if not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:                     # cancelled before it started
+                req.finish_reason = "cancelled"
+                self._finish(req)
+                continue
+            req.row = self.free_rows.pop()
+            self.running.append(req)
+            try:
+                first, dt, first_logprob = self.worker.prefill(req.row, req.prompt_ids, req.params, req.generator)
+            except Exception as e:                # a request must never take the loop down
+                req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+                continue
+            self.stats.times.prefill += dt
+            req.first_token_time = time.perf_counter()
+            self._emit(req, [first], [first_logprob] if first_logprob else None)
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: Optional[list[TokenLogprob]] = None) -> None:
+        """Append tokens (and their log-prob entries) until EOS / max_new_tokens / a stop string; stream the text
+        delta."""
+        p = req.params
+        kept = []
+        for t in tokens:
+            kept.append(t)
+            if not p.ignore_eos and t in self.eos_ids:
+                req.finish_reason = "eos"
+                break
+            if len(req.output_ids) + len(kept) >= p.max_new_tokens:
+                req.finish_reason = "length"
+                break
+        before = len(req.output_ids)
+        req.output_ids.extend(kept)
+        if req.output_logprobs is not None and logprobs:
+            req.output_logprobs.extend(logprobs[:len(kept)])
+        req.accept_lengths.append(len(kept))
+        self.stats.generated_tokens += len(kept)
+        self.stats.verify_steps += 1
+        delta = req.detok.push(kept)
+        if p.stop and delta:
+            start = max(0, len(req.detok.text) - len(delta) - max(len(s) for s in p.stop) + 1)
+            hits = [i for i in (req.detok.text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                delta = delta[:max(0, len(delta) - (len(req.detok.text) - cut))]
+                req.detok.text = req.detok.text[:cut]
+                req.finish_reason = "stop"
+                self._cut_at_stop(req, before)
+        if delta and req.listener:
+            req.listener(req, delta)
+
+    def _cut_at_stop(self, req: Request, before: int) -> None:
+        """Keep the tokens up to the one that completed a stop string."""
+        stops = req.params.stop
+        for n in range(before + 1, len(req.output_ids) + 1):
+            text = self.tokenizer.decode(req.output_ids[:n], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                dropped = len(req.output_ids) - n
+                del req.output_ids[n:]
+                if req.output_logprobs is not None:
+                    del req.output_logprobs[n:]
+                req.accept_lengths[-1] -= dropped
+                self.stats.generated_tokens -= dropped
+                return
+
+    def _release(self) -> None:
+        still = []
+        for req in self.running:
+            if req.finished:
+                self._finish(req)
+            else:
+                still.append(req)
+        self.running = still
+
+    def _finish(self, req: Request) -> None:
+        if req.row is not None:
+            self.free_rows.append(req.row)
+            req.row = None
+        if req.finish_reason in ("eos", "length"):
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        else:
+            req.text = req.detok.text if req.detok else ""
+        req.finish_time = time.perf_counter()
+        self.stats.finished += 1
+        req.done.set()                      # before the last callback: a listener seeing "" finds it done
+        if req.listener:
+            req.listener(req, "")
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ---- serving thread ------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Run steps while there is work; sleep on the condition otherwise (the server's scheduler thread).
+        A failing step fails the requests it ran, not the loop."""
+        while True:
+            with self.cond:
+                while not self._stop and not self.has_work():
+                    self.cond.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as e:              # noqa: BLE001 - reported to every affected request
+                for req in self.running:
+                    if not req.finished:
+                        req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+                self._release()
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()

@@ -1,0 +1,187 @@
+"""What a decoding run uses, settled once before anything loads (anchor: SGLang's ServerArgs).
+
+`resolve_settings` turns the flags every entry point shares (`--dtype`, `--draft`, `--profile`, `--num-steps`,
+`--topk`, `--num-draft-tokens`), the draft folder's tuned profile, the kind of host and the expected batch size
+into the dtype, the draft, the tree and the adaptive table. `eagle3 generate`, `eagle3 serve` (our engine and the
+SGLang launch), `make demo` and every benchmark call it, so they all run the same thing by default:
+
+- dtype `auto`: bfloat16 on GPUs and on CPUs where the engine has a fast bf16 product, else float32;
+- draft: `--draft`, else the shipped draft for the embedded target, else none; `none`: vanilla decoding;
+- tree: explicit `--num-steps/--topk/--num-draft-tokens` fix it (a flag given alone fills in the rest from the
+  profile's tree at this batch size, else SGLang's 5/4/16); otherwise the profile (`--profile`, else the draft's
+  own spec_profile.json, its table for this kind of host) picks the tree per running batch size; a profile that
+  never speculates drops the draft; with no profile, SGLang's default 5/4/16.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, draft_profile_path, host_kind
+from sglang_eagle3.errors import UserError
+from sglang_eagle3.kernels import extension
+from sglang_eagle3.models.config import ConfigError
+from sglang_eagle3.paths import shipped_draft
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ["auto", *DTYPES]
+AUTO_DTYPE_HELP = ("auto (default): bfloat16 on GPUs and on CPUs where the engine has a bf16 kernel (AVX-512 BF16, "
+                   "AMX, AVX-512F or AVX2 + FMA with the C++ extension built), else float32")
+TREE_FLAGS = ("num_steps", "topk", "num_draft_tokens")
+
+
+@dataclass
+class Settings:
+    dtype: str                          # "bfloat16" | "float32" | "float16"
+    draft: Optional[str]                # draft folder or hub id; None: vanilla decoding
+    tree: Optional[SpecConfig]          # the tree at `batch_size`; None: no speculation there
+    profile: Optional[SpecProfile]      # per-batch-size trees the engine adapts with; None: `tree` is fixed
+    source: str                         # where the tree came from (banners, JSON outputs)
+    batch_size: int = 1
+
+    @property
+    def engine_tree(self) -> SpecConfig:
+        """The tree an engine is built with: the fixed tree, else the fastest tree the profile measured at this
+        batch size (the profile still decides per step), else SGLang's default."""
+        measured = self.profile.measured_tree(self.batch_size) if self.profile is not None else None
+        return self.tree or measured or SpecConfig()
+
+    def describe(self) -> str:
+        if self.draft is None:
+            return "no speculation"
+        t = self.tree
+        shape = f"tree num_steps={t.num_steps} topk={t.topk} num_draft_tokens={t.num_draft_tokens}" if t else \
+            "no speculation at this batch size"
+        return f"{shape} ({self.source})"
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """--dtype auto: bfloat16 on GPUs and on CPUs where our engine computes bf16 products fast: natively (AVX-512
+    BF16, AMX) or with csrc's AVX-512F / AVX2 kernels (bf16 weights widened to fp32 in registers: decode reads half
+    the bytes). float32 elsewhere: PyTorch's emulated bf16 products run 3-100x slower than fp32 there."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise UserError(f"--dtype {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+        return name
+    if str(device).startswith("cuda"):
+        return "bfloat16"
+    fast = extension.cpu_has_bf16() or (extension.mode() != "off" and extension.few_row_isa() in ("avx512f", "avx2"))
+    return "bfloat16" if fast else "float32"
+
+
+def default_draft(draft: Optional[str], embedded_target: bool) -> Optional[str]:
+    """--draft as given ('none': no draft), else the shipped draft when the target is the embedded one."""
+    if draft is not None:
+        return None if draft == "none" else draft
+    return shipped_draft() if embedded_target else None
+
+
+def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dtype: str = "auto",
+                     num_steps: Optional[int] = None, topk: Optional[int] = None,
+                     num_draft_tokens: Optional[int] = None, profile: Optional[str] = None, batch_size: int = 1,
+                     temperature: float = 0.0, device: str = "cpu") -> Settings:
+    """The one place that decides what a run decodes with (see the module docstring for the rules)."""
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    for name, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens)):
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    dtype = resolve_dtype(dtype, device)
+    draft = default_draft(draft, embedded_target)
+    if draft is None:
+        if profile:
+            raise UserError(f"--profile {profile}: a speculation profile needs a draft (--draft)")
+        return Settings(dtype, None, None, None, "no draft", batch_size)
+    explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
+                if v is not None}
+    table, where = load_profile(profile, draft, device)
+    sampled = temperature > 0 and table is not None and table.sampled is not None
+    if explicit:
+        base = (table.measured_tree(batch_size, sampled) if table is not None else None) or SpecConfig()
+        try:
+            tree = SpecConfig(**{"num_steps": base.num_steps, "topk": base.topk,
+                                 "num_draft_tokens": base.num_draft_tokens, **explicit})
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        source = "flags " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in explicit.items()) + \
+            (f" over {where}'s tree" if table is not None else "")
+        return Settings(dtype, draft, tree, None, source, batch_size)
+    if table is None:
+        return Settings(dtype, draft, SpecConfig(), None, where or "default tree (SGLang's 5/4/16)", batch_size)
+    if all(t is None for t in table.table.values()):
+        return Settings(dtype, None, None, None, f"{where} chooses no speculation at any batch size: the draft is "
+                        "not loaded", batch_size)
+    tree = table.for_batch_size(batch_size, sampled)
+    what = "tuned" if tree is not None else "vanilla measured faster"
+    return Settings(dtype, draft, tree, table, f"{table.source}, {'sampled, ' if sampled else ''}batch {batch_size}: "
+                    f"{what}; adapts to the running batch size", batch_size)
+
+
+def load_profile(path: Optional[str], draft: str, device: str = "cpu") -> tuple[Optional[SpecProfile], str]:
+    """The speculation profile a run uses and a note on it: --profile as given, else the draft folder's own
+    spec_profile.json. On a GPU a draft's own profile counts only with a table measured on GPUs (its CPU tables
+    pick trees for another cost of a verify)."""
+    own = path is None
+    path = path or draft_profile_path(draft)
+    if path is None:
+        return None, ""
+    kind = host_kind(device)
+    try:
+        table = SpecProfile.load(path, host=kind)
+    except ConfigError as e:
+        raise UserError(f"--profile: {e}" if not own else str(e)) from None
+    if own and kind == "cuda" and table.host != "cuda":
+        return None, f"{path} has no table for GPUs: default tree (SGLang's 5/4/16)"
+    return table, path
+
+
+# ---- the flags every entry point shares --------------------------------------------------------------------
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", choices=["auto", "off"], default="auto",
+                   help="auto (default): the compiled CPU path (packed bf16 linears, the C++ attention and norm "
+                        "kernels built at install); off: plain eager PyTorch (the reference)")
+
+
+def apply_compile_arg(args) -> None:
+    extension.set_mode(getattr(args, "compile", "auto") or "auto")
+
+
+def add_spec_args(p: argparse.ArgumentParser, profile: bool = True) -> None:
+    g = p.add_argument_group("draft tree (SGLang semantics; default: the profile's tree for the running batch size, "
+                             "else 5/4/16 as SGLang)")
+    g.add_argument("--num-steps", type=int, default=None, help="tree depth")
+    g.add_argument("--topk", type=int, default=None, help="branching per step")
+    g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens verified per step incl. the root")
+    if profile:
+        g.add_argument("--profile", default=None,
+                       help="speculation profile JSON (bench/tune_spec.py); default: the draft folder's "
+                            "spec_profile.json, its table for this kind of host")
+
+
+def fixed_tree(num_steps: Optional[int] = None, topk: Optional[int] = None,
+               num_draft_tokens: Optional[int] = None) -> SpecConfig:
+    """The tree these flags name, the rest from SGLang's default 5/4/16 (no draft folder to take a profile from)."""
+    given = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
+             if v is not None}
+    try:
+        return SpecConfig(**given)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+
+
+def settings_from_args(args, draft: Optional[str], batch_size: int = 1) -> Settings:
+    """resolve_settings from an argparse namespace with the shared flags (absent ones take their defaults)."""
+    target = getattr(args, "target", None)
+    return resolve_settings(
+        draft, embedded_target=bool(getattr(args, "embedded_target", False)) or target in (None, "testbed"),
+        dtype=getattr(args, "dtype", "auto") or "auto", num_steps=getattr(args, "num_steps", None),
+        topk=getattr(args, "topk", None), num_draft_tokens=getattr(args, "num_draft_tokens", None),
+        profile=getattr(args, "profile", None), batch_size=batch_size,
+        temperature=getattr(args, "temperature", 0.0) or 0.0, device=getattr(args, "device", None) or "cpu")

@@ -1,0 +1,156 @@
+"""EAGLE-2 dynamic draft tree, with SGLang's parameter semantics.
+
+num_steps: depth (levels of draft tokens below the root); topk: children expanded per frontier node;
+num_draft_tokens: tokens verified per step *including* the root (the last verified token).
+
+Step 1 uses the draft's output from the extend over the target's fused features; each later step
+runs the draft once on the `topk` best frontier nodes of every row (one batched forward per level),
+feeding the draft's own hidden output with the chosen token's embedding. Every expanded child is a
+candidate scored by its cumulative log-prob; the best num_draft_tokens - 1 candidates (always closed
+under ancestors) form the tree. A level is not drafted once no node below the frontier could be among them
+(levels_needed: the same tree for fewer draft forwards). Mask, depths, positions and retrieve paths are tensor
+operations (on CPU the selection and layout are one call of csrc/tree_ops.cpp, with the same result).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.kernels import decode as K
+from sglang_eagle3.models.kvcache import KVPool
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor      # [B, N] target token ids; node 0 = root (last verified token)
+    parents: torch.Tensor     # [B, N] parent node index, -1 for the root; parents precede children
+    depth: torch.Tensor       # [B, N] 0 for the root
+    mask: torch.Tensor        # [B, N, N] bool: row i = ancestors of i plus i
+    positions: torch.Tensor   # [B, N] root position + depth
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def paths(self) -> torch.Tensor:
+        """Retrieve paths [B, P, max_depth + 1]: root-to-leaf node indices per leaf, -1 padded."""
+        B, N = self.parents.shape
+        Dm = int(self.depth.max()) + 1
+        by_depth = torch.full((B, N, Dm + 1), -1, dtype=torch.long, device=self.parents.device)
+        slot = torch.where(self.mask, self.depth.unsqueeze(1), Dm)                      # [B, N, N]
+        by_depth.scatter_(2, slot, torch.arange(N, device=slot.device).expand(B, N, N))
+        by_depth = by_depth[..., :Dm]                                                    # [B, N, Dm] ancestors of i
+        is_parent = torch.zeros(B, N, dtype=torch.bool, device=self.parents.device)
+        is_parent.scatter_(1, self.parents.clamp(min=0), self.parents >= 0)
+        leaf = ~is_parent
+        P = int(leaf.sum(1).max())
+        order = torch.sort((~leaf).long(), dim=1, stable=True).indices[:, :P]          # leaves first, in order
+        paths = torch.gather(by_depth, 1, order.unsqueeze(-1).expand(B, P, Dm))
+        return torch.where(torch.gather(leaf, 1, order).unsqueeze(-1), paths, -1)
+
+
+def build_draft_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions,
+                     num_draft_tokens: int) -> DraftTree:
+    """Select the best candidates and lay out the tree.
+
+    cand_tokens, cand_scores, cand_parents [B, C]: candidates in creation order (a parent always comes
+    before its children); parent -1 = the root. Picks the num_draft_tokens - 1 highest cumulative
+    scores (stable: on ties the earlier candidate, hence the parent, wins, so the set is ancestor-closed).
+    """
+    return DraftTree(*K.build_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions,
+                                   num_draft_tokens))
+
+
+def root_only_tree(root_tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
+    """Vanilla decoding: the tree is the last verified token alone."""
+    B = root_tokens.shape[0]
+    z = torch.zeros(B, 1, dtype=torch.long, device=root_tokens.device)
+    return DraftTree(root_tokens.view(B, 1), z - 1, z, torch.ones(B, 1, 1, dtype=torch.bool, device=z.device),
+                     root_positions.view(B, 1))
+
+
+def pool_attend(pool: KVPool, rows: torch.Tensor, write_start: torch.Tensor, new_mask: torch.Tensor, scale: float):
+    """attend(q, k, v) for the draft's single layer: store k/v at write_start.. of each row, attend over the
+    row's committed slots plus the uncommitted ones new_mask [B, T, F] allows. attend.qkv(qkv, cos, sin, nH, nKV)
+    does the same from the fused projection with the rotary embedding inside the kernel, and attend.pool holds
+    these arguments for csrc's whole draft layer (the draft's fast paths)."""
+    lens = pool.lens[rows]
+
+    def attend(q, k, v):
+        return K.tree_attention(q, k, v, pool.k[0], pool.v[0], rows, lens, write_start, new_mask, scale)
+
+    def attend_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int):
+        return K.qkv_attention(qkv, cos, sin, num_heads, num_kv_heads, pool.k[0], pool.v[0], rows, lens,
+                               write_start, new_mask, scale)
+    attend.qkv = attend_qkv
+    attend.pool = (pool.k[0], pool.v[0], rows, lens, write_start, new_mask.contiguous(), scale)   # csrc's draft_layer
+    return attend
+
+
+def levels_needed(cand_scores: list[torch.Tensor], frontier_scores: torch.Tensor, num_draft_tokens: int) -> bool:
+    """Can a deeper level still put a node into the tree? A node's score (cumulative log-prob) is at most its
+    frontier ancestor's, and on equal scores the earlier candidate wins; so once every row has
+    num_draft_tokens - 1 candidates scoring at least its best frontier node, nothing drafted below the frontier
+    is ever selected: the tree is the same without the deeper levels (and their draft forwards).
+    cand_scores: [B, k], [B, k*k], ... per level; frontier_scores [B, k]."""
+    best = frontier_scores.max(-1, keepdim=True).values                        # [B, 1]
+    ahead = sum((c >= best).sum(-1) for c in cand_scores)                      # [B] candidates it cannot beat
+    return bool((ahead < num_draft_tokens - 1).any())
+
+
+@torch.no_grad()
+def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens, root_positions,
+              spec: SpecConfig, prune: bool = True) -> DraftTree:
+    """Draft a tree for each row.
+
+    draft: Eagle3DraftModel. pool: its KV pool; rows [B] committed up to the root's position (exclusive).
+    first_hidden [B, H]: draft output at the root's previous position; first_logits [B, draft_vocab]: its logits.
+    root_tokens, root_positions [B]. prune (CPU): skip the levels that cannot change the tree (levels_needed).
+    """
+    B, k = root_tokens.shape[0], spec.topk
+    device = root_tokens.device
+    scale = draft.config.head_dim ** -0.5
+    scores, draft_ids = K.topk_logprobs(first_logits, k)                       # [B, k] log-probs, draft ids
+    tokens = draft.draft_to_target(draft_ids)
+    cand_tokens, cand_scores = [tokens], [scores]
+    cand_parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+    frontier_ids = torch.arange(k, device=device).expand(B, k)                 # candidate index of each frontier node
+    hidden = first_hidden.unsqueeze(1).expand(B, k, -1)                        # [B, k, H] parent hidden per node
+    F = (spec.num_steps - 1) * k                                               # nodes the draft runs on
+    if F:                                                                      # (none for a one-level tree)
+        pool.check_room(rows, F)
+        # fwd_mask [B, F, F]: forwarded node i sees forwarded node j (its ancestors and itself; the diagonal is
+        # set now, each level fills its rows from its parents' rows)
+        fwd_mask = torch.eye(F, dtype=torch.bool, device=device).expand(B, F, F).clone()
+        batch = torch.arange(B, device=device).view(B, 1)
+        lens = pool.lens[rows]
+    offset, fwd_parent = k, None                                               # fwd_parent: set per level
+    prune = prune and device.type == "cpu"                                     # (a host sync per level on GPUs)
+    for step in range(1, spec.num_steps):
+        if prune and not levels_needed(cand_scores, scores, spec.num_draft_tokens):
+            break
+        f0 = (step - 1) * k                                                    # this level's first forwarded slot
+        if step > 1:
+            fwd_mask[:, f0:f0 + k, :f0] = fwd_mask[batch, fwd_parent, :f0]     # parent's row (ancestors + parent)
+        attend = pool_attend(pool, rows, lens + f0, fwd_mask[:, f0:f0 + k, :f0 + k], scale)
+        positions = (root_positions + (step - 1)).view(B, 1).expand(B, k)
+        out = draft(tokens, hidden, positions, attend=attend, fuse=False)      # [B, k, H] pre-norm
+        child_lp, child_ids = K.topk_logprobs(draft.compute_logits(out), k)    # [B, k, k] of [B, k, Vd] logits
+        child_scores = (scores.unsqueeze(-1) + child_lp).view(B, k * k)
+        child_tokens = draft.draft_to_target(child_ids).view(B, k * k)
+        cand_tokens.append(child_tokens)
+        cand_scores.append(child_scores)
+        cand_parents.append(frontier_ids.unsqueeze(-1).expand(B, k, k).reshape(B, k * k))
+        # next frontier: the k best children
+        scores, best = child_scores.topk(k, dim=-1)
+        tokens = torch.gather(child_tokens, 1, best)
+        frontier_ids = offset + best
+        parent = best // k                                                     # [B, k] index in this level
+        hidden = draft.next_hidden(out)[batch, parent]                         # what the children read
+        fwd_parent = f0 + parent
+        offset += k * k
+    return build_draft_tree(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
+                            root_tokens, root_positions, spec.num_draft_tokens)

@@ -1,0 +1,64 @@
+// Declarations shared by the extension's sources, which bindings.cpp binds for Python.
+// Decode: attention.cpp (tree attention over the KV pool), elementwise.cpp (norms, SiLU), linear.cpp (few-row bf16
+// products), amx_linear.cpp (AMX tile products), layers.cpp (whole decoder layers), tree_ops.cpp (draft tree
+// selection, acceptance). Training: train_ops.cpp (TTT's soft cross-entropy, the target's distribution).
+#pragma once
+#include <torch/extension.h>
+
+// ---- decode --------------------------------------------------------------------------------------------------
+// attention.cpp
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
+                          const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
+                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
+                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+
+// elementwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& w, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// linear.cpp
+std::string few_row_isa();                           // "avx512_bf16", "avx512f", "avx2" or "" (none)
+at::Tensor pack_bf16(const at::Tensor& w);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+
+// amx_linear.cpp
+bool amx_usable();                                   // built with AMX and the OS grants tile data
+at::Tensor pack_amx(const at::Tensor& w);            // [N, K] bf16 -> [N/64, K/32, 4, 16, 16, 2]
+bool is_amx_packed(const at::Tensor& packed);
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+
+// layers.cpp
+std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>& delta, bool capture,
+                                   const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
+                                   const at::Tensor& w_qkv, int64_t n_qkv, const c10::optional<at::Tensor>& b_qkv,
+                                   const at::Tensor& w_o, const c10::optional<at::Tensor>& b_o,
+                                   const at::Tensor& w_gate_up, int64_t n_gate_up, const at::Tensor& w_down,
+                                   const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
+                                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
+                                   const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
+                                   double scale);
+at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_norm,
+                       const at::Tensor& hidden_norm, const at::Tensor& post_norm, double eps,
+                       const at::Tensor& w_qkv, int64_t n_qkv, const at::Tensor& w_o, const at::Tensor& w_gate_up,
+                       int64_t n_gate_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t nH, int64_t nKV, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
+                       const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+
+// tree_ops.cpp
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k);
+std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tensor& cand_scores,
+                                   const at::Tensor& cand_parents, const at::Tensor& root_tokens,
+                                   const at::Tensor& root_positions, int64_t num_draft_tokens);
+std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);
+std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
+                                        double temperature, int64_t top_k, double top_p, const at::Tensor& uniforms);
+
+// ---- training ------------------------------------------------------------------------------------------------
+// train_ops.cpp
+std::vector<at::Tensor> soft_ce_forward(const at::Tensor& z, const at::Tensor& p, const at::Tensor& rows);
+at::Tensor soft_ce_backward(const at::Tensor& z, const at::Tensor& p, const at::Tensor& rows, const at::Tensor& lse,
+                            const at::Tensor& grad);
+std::vector<at::Tensor> target_distribution(const at::Tensor& logits, const at::Tensor& draft_ids);

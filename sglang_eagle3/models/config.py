@@ -1,0 +1,206 @@
+"""Configuration of an EAGLE-3 draft and of speculative decoding.
+
+`Eagle3Config` maps one-to-one onto the `config.json` that SGLang's
+`LlamaForCausalLMEagle3` (and the official EAGLE-3 checkpoints) read, so the same
+folder loads in our engine, in SGLang and, after `eagle3 export --format speculators`, in vLLM.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang_eagle3.errors import UserError
+
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class ConfigError(UserError, ValueError):
+    """A config (draft, target or speculative) that cannot be used; the message names the key."""
+
+
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high features: the *inputs* of layers 2, L//2 and L-3.
+
+    Stored in SGLang's convention (`eagle_aux_hidden_state_layer_ids`): id i means "the output
+    of layer i", i.e. the input of layer i+1; SGLang captures layer `id + 1`'s input.
+    """
+    L = num_target_layers
+    if L < 4:
+        raise ConfigError(f"target has {L} layers; EAGLE-3 needs at least 4 for low/mid/high features")
+    return [1, L // 2 - 1, L - 4]
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int                      # the target's vocabulary
+    draft_vocab_size: int                # rows of the draft lm_head
+    target_hidden_size: int              # H of the target; fc reads 3 * target_hidden_size
+    aux_layer_ids: list[int]             # eagle_config.eagle_aux_hidden_state_layer_ids
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Any = None
+    fc_norm: bool = False                # EAGLE-3.1: one RMSNorm per aux feature before fc
+    norm_output: bool = False            # EAGLE-3.1: the next draft step reads the final-normed output
+    extra: dict = field(default_factory=dict)  # unknown keys, kept on round-trip
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids={self.aux_layer_ids} must be strictly increasing "
+                              "(SGLang concatenates the captured layers in layer order)")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu', as in SGLang's draft)")
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    # ---- config.json ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update({
+            "architectures": [DRAFT_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": self.hidden_act,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            **({"fc_norm": True} if self.fc_norm else {}),
+            **({"norm_output": True} if self.norm_output else {}),
+            "eagle_config": {**d.get("eagle_config", {}),
+                             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+        })
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "Eagle3Config":
+        def need(key):
+            if d.get(key) is None:
+                raise ConfigError(f"{where}: missing required key {key!r}")
+            return d[key]
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ConfigError(f"{where}: num_hidden_layers={d['num_hidden_layers']}; an EAGLE-3 draft has exactly "
+                              "1 layer")
+        eagle = d.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if aux is None:
+            raise ConfigError(f"{where}: missing eagle_config.eagle_aux_hidden_state_layer_ids (without it SGLang "
+                              "guesses the target layers and a mismatch serves at acceptance length ~1.0)")
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+        rope_scaling = _rope_scaling(d.get("rope_scaling") or rope_params)
+        known = {f.name for f in dataclasses.fields(cls)} | {
+            "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters",
+            "use_aux_norm"}
+        if _flag(d, "norm_before_fc", where) or _flag((d.get("eagle_config") or {}), "norm_before_fc", where):
+            raise ConfigError(f"{where}: norm_before_fc=true (one RMSNorm over the concatenated features) is not "
+                              "supported; EAGLE-3.1's fc_norm (one norm per feature) is")
+        return cls(
+            hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            vocab_size=need("vocab_size"), draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
+            aux_layer_ids=list(aux), head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            hidden_act=d.get("hidden_act", "silu"), torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            fc_norm=_flag(d, "fc_norm", where) or _flag(d, "use_aux_norm", where),
+            norm_output=_flag(d, "norm_output", where),
+            extra={k: v for k, v in d.items() if k not in known or k == "eagle_config"},
+        )
+
+    def save(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, directory: str) -> "Eagle3Config":
+        path = os.path.join(directory, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{directory}: no config.json (is this a draft folder?)")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, where=path)
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: Optional[int] = None,
+                   aux_layer_ids: Optional[list[int]] = None) -> "Eagle3Config":
+        """A draft shaped like one layer of the target (the paper's and SGLang's choice)."""
+        tc = getattr(target_config, "text_config", target_config)
+        rope = getattr(tc, "rope_parameters", None) or {}
+        rope_theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+        rope_scaling = _rope_scaling(getattr(tc, "rope_scaling", None) or rope)
+        return cls(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab_size or tc.vocab_size,
+            target_hidden_size=tc.hidden_size,
+            aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)),
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5), rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+            bos_token_id=getattr(tc, "bos_token_id", None), eos_token_id=getattr(tc, "eos_token_id", None),
+        )
+
+
+def _flag(d: dict, key: str, where: str) -> bool:
+    v = d.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key}={v!r} must be true or false")
+    return v
+
+
+def _rope_scaling(rope: Optional[dict]) -> Optional[dict]:
+    """Legacy `rope_scaling` from either spelling; None for plain RoPE (transformers 5 folds the type and
+    theta into `rope_parameters`)."""
+    if not rope:
+        return None
+    out = {k: v for k, v in rope.items() if k != "rope_theta"}
+    kind = out.get("rope_type", out.get("type", "default"))
+    return None if kind == "default" and len(out) <= 1 else out

@@ -1,0 +1,310 @@
+"""`eagle3 serve` and serve/launch_server.py: an OpenAI-compatible server with an EAGLE-3 draft, one command.
+
+    eagle3 serve [--engine auto|builtin|sglang] [--target T] [--draft D] [--profile tuned.json] [--port 30000]
+
+--engine builtin: our own engine behind FastAPI (server.py): continuous batching, adaptive speculation from
+the profile, any machine (CPU included). Defaults: the embedded target and its shipped draft and profile.
+--engine sglang (auto picks it where a CUDA GPU and SGLang are present): runs the draft check
+(`check-draft`) and then
+
+    python -m sglang.launch_server --model-path T --speculative-algorithm EAGLE3
+        --speculative-draft-model-path D --speculative-num-steps S --speculative-eagle-topk K
+        --speculative-num-draft-tokens N --attention-backend flashinfer [SGLang flags...]
+
+S, K, N come from engine/settings.py's resolve_settings, as for every entry point: --num-steps/--topk/
+--num-draft-tokens, else the profile's entry for --batch-size (default 1), else SGLang's 5/4/16. SGLang keeps its
+own concurrency defaults; --batch-size / --max-running-requests B caps them (--max-running-requests B and
+--cuda-graph-max-bs-decode B). Flags this command does not know are passed to SGLang unchanged.
+(SGLang 0.5.23 split `--cuda-graph-max-bs` into -decode and -prefill; the decode one is set.)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from typing import Optional
+
+from sglang_eagle3.engine.settings import (
+    AUTO_DTYPE_HELP,
+    DTYPE_CHOICES,
+    Settings,
+    add_compile_arg,
+    apply_compile_arg,
+    settings_from_args,
+)
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.errors import UserError
+
+DEFAULT_SPEC = SpecConfig()
+BUILTIN_MAX_RUNNING = 32
+# SGLang flags this command composes; passing them through as well would be ambiguous.
+COMPOSED_FLAGS = {
+    "--model-path": "--target", "--model": "--target",
+    "--speculative-algorithm": None,
+    "--speculative-draft-model-path": "--draft", "--speculative-draft-model": "--draft",
+    "--speculative-num-steps": "--num-steps", "--speculative-eagle-topk": "--topk",
+    "--speculative-num-draft-tokens": "--num-draft-tokens",
+    "--attention-backend": "--attention-backend", "--cuda-graph-max-bs-decode": "--cuda-graph-max-bs",
+    "--speculative-adaptive": "--adaptive", "--speculative-adaptive-config": "--adaptive",
+    "--host": "--host", "--port": "--port",
+}
+EMBEDDED_HINT = ("without a GPU, serve with our own engine instead: "
+                 "eagle3 serve --engine builtin --target {target} --draft {draft}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["auto", "builtin", "sglang"], default="auto",
+                   help="builtin: our engine (CPU or GPU); sglang: SGLang's server (CUDA GPU); auto (default): sglang "
+                        "where a CUDA GPU and SGLang are present, else builtin")
+    p.add_argument("--target", default="testbed", help="target HF folder or hub id (SGLang --model-path); "
+                                                       "default 'testbed' = the embedded SmolLM2")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder or hub id (default for the embedded target: "
+                                                 "its shipped draft; 'none': no speculation)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
+    g = p.add_argument_group("builtin engine")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 503")
+    add_compile_arg(g)
+    g.add_argument("--max-len", type=int, default=None,
+                   help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
+    p.add_argument("--profile", default=None, help='tuned tree shapes: {"per_batch_size": {"1": {"num_steps": .., '
+                                                   '"topk": .., "num_draft_tokens": ..}, ...}} (default: the '
+                                                   "draft folder's spec_profile.json)")
+    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=None,
+                   help=f"concurrent requests: builtin, the running-batch limit (default {BUILTIN_MAX_RUNNING}); "
+                        "sglang, caps SGLang's --max-running-requests and --cuda-graph-max-bs-decode and picks "
+                        "the profile entry (default: SGLang's own limits, the profile's batch-1 entry)")
+    p.add_argument("--num-steps", type=int, default=None, help=f"tree depth (default: profile, else "
+                                                               f"{DEFAULT_SPEC.num_steps})")
+    p.add_argument("--topk", type=int, default=None, help=f"branching per step (default: profile, else "
+                                                          f"{DEFAULT_SPEC.topk})")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"tokens verified per step (default: profile, else {DEFAULT_SPEC.num_draft_tokens})")
+    p.add_argument("--attention-backend", default="flashinfer", help="SGLang attention backend (default flashinfer)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
+                                                                       "graph (default: SGLang's, or --batch-size)")
+    p.add_argument("--adaptive", nargs="?", const="", default=None, metavar="CONFIG",
+                   help="let SGLang adapt num_steps at run time (--speculative-adaptive; needs topk 1), "
+                        "optionally with its adaptive config JSON")
+    p.add_argument("--skip-check", action="store_true", help="do not run check-draft first")
+    p.add_argument("--dry-run", action="store_true", help="print the SGLang command (or the builtin engine's "
+                                                          "settings) and exit")
+
+
+# ---- checks before any work ---------------------------------------------------------------------------
+def check_args(args) -> None:
+    """Every number this command takes, before anything loads."""
+    for flag, v in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
+                    ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):
+        if v is not None and v < 1:
+            raise UserError(f"{flag} must be >= 1, got {v}")
+    if not 1 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: a port is 1..65535")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The address can be bound now (a server already on it, or a host this machine does not have, fails here in
+    one line instead of after the model has loaded)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is a server already "
+                            "running on it?") from None
+
+
+def check_passthrough(extra: list[str]) -> None:
+    for token in extra:
+        flag = token.split("=", 1)[0]
+        if flag in COMPOSED_FLAGS:
+            ours = COMPOSED_FLAGS[flag]
+            raise UserError(f"{flag} is set by this command" + (f"; use {ours}" if ours else ""))
+
+
+def check_adaptive(args, spec: Optional[SpecConfig]) -> None:
+    if args.adaptive is None or spec is None:
+        return
+    if spec.topk != 1:
+        raise UserError(f"--adaptive needs topk 1 (SGLang adapts chains only), got topk {spec.topk}")
+    if args.adaptive:
+        if not os.path.isfile(args.adaptive):
+            raise UserError(f"--adaptive {args.adaptive}: no such file")
+        if importlib.util.find_spec("sglang") is not None:
+            from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+            try:
+                resolve_candidate_steps_from_config(args.adaptive)
+            except (ValueError, KeyError, json.JSONDecodeError) as e:
+                raise UserError(f"--adaptive {args.adaptive}: {e}") from None
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def run_draft_check(target: str, draft: str) -> None:
+    """check-draft before any GPU work; raises UserError listing the errors."""
+    from sglang_eagle3.formats.check_draft import ERROR, WARN, check_draft, format_table
+    if not os.path.isdir(draft):
+        if looks_local(draft):
+            raise UserError(f"--draft {draft}: no such folder")
+        print(f"eagle3 serve: {draft} is a hub id; check-draft skipped (the sglang_eagle3 SGLang plugin still "
+              "checks its config at start-up)", file=sys.stderr)
+        return
+    findings = check_draft(draft, target)
+    errors = [f for f in findings if f.status == ERROR]
+    warnings = [f for f in findings if f.status == WARN]
+    if warnings or errors:
+        print(format_table(errors + warnings), file=sys.stderr)
+    if errors:
+        raise UserError(f"draft {draft} failed {len(errors)} check(s) against {target} (table above); "
+                        "SGLang would not load it or would serve it at acceptance length ~1.0 "
+                        "(--skip-check to launch anyway)")
+
+
+def check_runtime(args) -> None:
+    """SGLang and a GPU are needed to serve; say so in one line, with the CPU alternative."""
+    hint = EMBEDDED_HINT.format(target=args.target, draft=args.draft)
+    if importlib.util.find_spec("sglang") is None:
+        raise UserError("SGLang is not installed (on a CUDA machine: pip install 'sglang[all]==0.5.23'); " + hint)
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError("no CUDA GPU visible; SGLang's EAGLE-3 server needs one; " + hint)
+
+
+def pick_engine(args) -> str:
+    if args.engine != "auto":
+        return args.engine
+    if importlib.util.find_spec("sglang") is None:
+        return "builtin"
+    import torch
+    return "sglang" if torch.cuda.is_available() else "builtin"
+
+
+# ---- SGLang ---------------------------------------------------------------------------------------------
+def build_command(args, settings: Settings, extra: list[str], python: Optional[str] = None) -> list[str]:
+    spec = settings.tree if settings.draft else None
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", args.target]
+    if spec is not None:
+        cmd += ["--speculative-algorithm", "EAGLE3",
+                "--speculative-draft-model-path", settings.draft,
+                "--speculative-num-steps", str(spec.num_steps),
+                "--speculative-eagle-topk", str(spec.topk),
+                "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
+    cmd += ["--attention-backend", args.attention_backend]
+    graphs = args.cuda_graph_max_bs or args.batch_size
+    if graphs is not None:
+        cmd += ["--cuda-graph-max-bs-decode", str(graphs)]
+    if args.batch_size is not None:
+        cmd += ["--max-running-requests", str(args.batch_size)]
+    cmd += ["--host", args.host, "--port", str(args.port)]
+    if args.adaptive is not None and spec is not None:
+        cmd.append("--speculative-adaptive")
+        if args.adaptive:
+            cmd += ["--speculative-adaptive-config", args.adaptive]
+    return cmd + list(extra)
+
+
+def serve_sglang(args, extra: list[str]) -> int:
+    check_passthrough(extra)
+    embedded = getattr(args, "embedded_target", False) or args.target in (None, "testbed")
+    settings = settings_from_args(args, args.draft, batch_size=args.batch_size or 1)
+    if settings.draft is None and settings.source == "no draft" and args.draft != "none":
+        raise UserError("--draft is required with --engine sglang (an EAGLE-3 draft folder or hub id)")
+    if embedded:
+        from sglang_eagle3.models.testbed import prepare
+        args.target = prepare()
+    spec = settings.tree if settings.draft else None
+    check_adaptive(args, spec)
+    if not args.skip_check and spec is not None:
+        run_draft_check(args.target, settings.draft)
+    cmd = build_command(args, settings, extra)
+    banner = f"eagle3 serve: {settings.describe()}"
+    if args.dry_run:
+        print(banner, file=sys.stderr)
+        print(shlex.join(cmd))
+        return 0
+    check_runtime(args)
+    check_port_free(args.host, args.port)
+    print(f"{banner}\n{shlex.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- our engine -----------------------------------------------------------------------------------------
+def serve_builtin(args, extra: list[str]) -> int:
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.serving.server import build_state, run_server
+    if extra:
+        raise UserError(f"unknown flags for the builtin engine: {' '.join(extra)} (SGLang flags need --engine sglang)")
+    apply_compile_arg(args)
+    if not args.dry_run:
+        check_port_free(args.host, args.port)
+    settings = settings_from_args(args, args.draft, batch_size=1)
+    if settings.draft is None and "chooses no speculation" in settings.source:
+        print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
+    target = resolve_target(args.target)
+    if settings.draft and not args.skip_check:
+        run_draft_check(target, settings.draft)
+    state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)
+    how = (f"adaptive speculation from {settings.profile.source}" if settings.profile else settings.describe())
+    print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    return run_server(state, args.host, args.port)
+
+
+def serve(args, extra: Optional[list[str]] = None) -> int:
+    extra = list(extra if extra is not None else getattr(args, "sglang_args", []))
+    check_args(args)
+    if pick_engine(args) == "builtin":
+        return serve_builtin(args, extra)
+    return serve_sglang(args, extra)
+
+
+# ---- entry points ---------------------------------------------------------------------------------------
+class PassThroughParser(argparse.ArgumentParser):
+    """Flags it does not know are SGLang's: kept, in order, in `args.sglang_args` instead of failing."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.sglang_args = rest
+        return namespace, []
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with an EAGLE-3 draft: our engine (any machine) or "
+                                     "SGLang's (CUDA; check, tuned tree, CUDA graphs)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False, epilog="Other flags (e.g. --port 30000 --tp-size 2) go to SGLang.")
+    p.__class__ = PassThroughParser          # the `eagle3` parser rejects unknown flags otherwise
+    add_arguments(p)
+    p.set_defaults(func=serve)
+
+
+def main(argv=None) -> int:
+    """serve/launch_server.py: same flags as `eagle3 serve`; unknown flags go to SGLang."""
+    from sglang_eagle3.errors import debug_enabled, report, user_errors
+    p = PassThroughParser(prog="launch_server.py", description=__doc__, allow_abbrev=False,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return serve(args, args.sglang_args)
+    except user_errors() as e:
+        if debug_enabled(args):
+            raise
+        return report("launch_server.py", e)

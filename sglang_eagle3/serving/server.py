@@ -1,0 +1,377 @@
+"""OpenAI-compatible HTTP server on our engine (`eagle3 serve --engine builtin`).
+
+Thin by design: the HTTP layer lives here (request models, their checks and the response pieces in
+openai_protocol.py); one scheduler thread
+(scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
+deltas back through an asyncio queue. Endpoints: POST /v1/chat/completions, POST /v1/completions
+(both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /health,
+GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`, and the
+target's log-probs of its tokens when asked (`logprobs`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from sglang_eagle3.engine.engine import encode_prompt, is_token_ids
+from sglang_eagle3.engine.scheduler import QueueFull, Request, RequestError, Scheduler
+from sglang_eagle3.engine.verify import SamplingParams
+from sglang_eagle3.serving.openai_protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    chat_logprobs,
+    chat_prompt,
+    choice_params,
+    completion_logprobs,
+    finish_reason,
+    reported_logprobs,
+    sampling_params,
+    spec_stats,
+    usage,
+)
+
+RETRY_AFTER_S = 1
+
+
+# ---- state -----------------------------------------------------------------------------------
+class Metrics:
+    """Counters for /metrics (Prometheus text format)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0}
+        self.prompt_tokens = self.generated_tokens = self.verify_steps = 0
+        self.ttft_sum, self.ttft_count = 0.0, 0
+        self.recent: list[tuple[float, int]] = []         # (time, tokens) of finished requests, last 60 s
+
+    def finished(self, req: Request) -> None:
+        with self.lock:
+            kind = req.finish_reason if req.finish_reason in ("cancelled", "error") else "finished"
+            self.requests[kind] += 1
+            self.prompt_tokens += len(req.prompt_ids)
+            self.generated_tokens += len(req.output_ids)
+            self.verify_steps += req.verify_steps
+            if req.first_token_time is not None:
+                self.ttft_sum += req.first_token_time - req.arrival
+                self.ttft_count += 1
+            now = time.time()
+            self.recent = [(t, n) for t, n in self.recent if now - t < 60] + [(now, len(req.output_ids))]
+
+    def rejected(self) -> None:
+        with self.lock:
+            self.requests["rejected"] += 1
+
+    def text(self, load: dict) -> str:
+        with self.lock:
+            now = time.time()
+            window = [n for t, n in self.recent if now - t < 60]
+            lines = [
+                "# HELP eagle3_requests_total Requests by outcome.", "# TYPE eagle3_requests_total counter",
+                *[f'eagle3_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()],
+                "# TYPE eagle3_prompt_tokens_total counter", f"eagle3_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE eagle3_generated_tokens_total counter",
+                f"eagle3_generated_tokens_total {self.generated_tokens}",
+                "# HELP eagle3_verify_steps_total Target forwards that produced tokens.",
+                "# TYPE eagle3_verify_steps_total counter", f"eagle3_verify_steps_total {self.verify_steps}",
+                "# HELP eagle3_accept_length Tokens per target forward over all finished requests.",
+                "# TYPE eagle3_accept_length gauge",
+                f"eagle3_accept_length {self.generated_tokens / max(1, self.verify_steps):.4f}",
+                "# HELP eagle3_generation_tokens_per_second Generated tokens/s of requests finished in the last 60 s.",
+                "# TYPE eagle3_generation_tokens_per_second gauge",
+                f"eagle3_generation_tokens_per_second {sum(window) / 60.0:.3f}",
+                "# TYPE eagle3_time_to_first_token_seconds summary",
+                f"eagle3_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                f"eagle3_time_to_first_token_seconds_count {self.ttft_count}",
+                "# TYPE eagle3_running_requests gauge", f"eagle3_running_requests {load['running']}",
+                "# TYPE eagle3_queued_requests gauge", f"eagle3_queued_requests {load['waiting']}",
+                "# HELP eagle3_free_kv_rows KV-cache rows free for new requests.",
+                "# TYPE eagle3_free_kv_rows gauge", f"eagle3_free_kv_rows {load['free_rows']}",
+                "# TYPE eagle3_max_running_requests gauge", f"eagle3_max_running_requests {load['max_running']}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+class ServerState:
+    """The scheduler, its thread, and what the HTTP layer needs to know about the model."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, info: Optional[dict] = None):
+        self.scheduler, self.model_name, self.info = scheduler, model_name, info or {}
+        self.tokenizer = scheduler.tokenizer
+        self.vocab_size = scheduler.target.vocab_size           # rows of the embedding: the valid token ids
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.scheduler.serve_forever, name="eagle3-scheduler", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.scheduler.shutdown()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+            self.thread = None
+
+
+class Handler:
+    """Runs a response's requests (one per choice) against the scheduler: their text deltas arrive on one queue,
+    tagged with the choice index, then the finished requests."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def check_model(self, name: str) -> None:
+        if name != self.state.model_name:
+            raise APIError(400, f"model {name!r} is not served here (this server serves {self.state.model_name!r})",
+                           "model", "model_not_found")
+
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], prompt: Any, loop, queue) -> list[Request]:
+        """One request per choice; all or none: a choice that cannot be queued cancels those already queued."""
+        sched = self.state.scheduler
+        metrics = self.state.metrics
+
+        def listener_of(index: int):
+            def listener(req: Request, delta: str) -> None:          # called on the scheduler thread
+                if delta == "" and req.done.is_set():
+                    metrics.finished(req)                             # exactly once, however the request ended
+                loop.call_soon_threadsafe(queue.put_nowait, (index, delta, req.finished, reported_logprobs(req)))
+            return listener
+
+        reqs = []
+        try:
+            sched.check_fits(len(prompt_ids), params[0].max_new_tokens)
+            for i, p in enumerate(params):
+                reqs.append(sched.submit(Request(prompt_ids, p, prompt=prompt, listener=listener_of(i))))
+        except RequestError as e:
+            raise APIError(400, str(e), "prompt" if isinstance(prompt, str) or is_token_ids(prompt) else "messages",
+                           "context_length_exceeded") from None
+        except QueueFull as e:
+            for req in reqs:
+                sched.cancel(req)
+            self.state.metrics.rejected()
+            raise APIError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from None
+        return reqs
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.state.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 <= id < {vocab})",
+                           "prompt")
+
+    def tokenize(self, prompt) -> list[int]:
+        try:
+            ids = encode_prompt(self.state.tokenizer, prompt)
+        except Exception as e:      # a chat template that rejects the roles, say
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        if not ids:
+            raise APIError(400, "empty prompt (no tokens after tokenization)", "prompt")
+        return ids
+
+
+def create_app(state: ServerState):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        state.stop()
+
+    app = FastAPI(title="sglang-eagle3", lifespan=lifespan)
+    handler = Handler(state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "json_invalid":
+            msg, param = f"request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None
+        else:
+            msg, param = f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
+        return JSONResponse(APIError(400, msg, param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **state.scheduler.load()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "sglang-eagle3", **state.info}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.text(state.scheduler.load()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def run(http: HTTPRequest, body, prompt, chat: bool):
+        handler.check_model(body.model)
+        prompt_ids = handler.tokenize(prompt)
+        params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len, chat)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+        echo = ""                                                   # completions: the prompt before the answer
+        if not chat and body.echo:
+            echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream(reqs, queue, rid, chat, include_usage, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            while not all(r.done.is_set() for r in reqs):
+                await queue.get()
+        except asyncio.CancelledError:                   # the client went away
+            for r in reqs:
+                state.scheduler.cancel(r)
+            raise
+        failed = next((r for r in reqs if r.finish_reason == "error"), None)
+        if failed:
+            raise APIError(500, f"generation failed: {failed.error}", None, None, "server_error")
+        choices = []
+        for i, req in enumerate(reqs):
+            choice = {"index": i, "finish_reason": finish_reason(req), "logprobs": None}
+            if req.output_logprobs is not None:
+                entries = req.output_logprobs[:reported_logprobs(req)]
+                choice["logprobs"] = (chat_logprobs if chat else completion_logprobs)(state.tokenizer, entries)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": req.text}
+            else:
+                choice["text"] = echo + req.text
+            choices.append(choice)
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
+                "choices": choices, "usage": usage(reqs), "spec_stats": spec_stats(reqs)}
+
+    async def stream(reqs: list[Request], queue, rid, chat, include_usage, echo=""):
+        created = int(time.time())
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = [{"entries": 0, "chars": 0} for _ in reqs]   # per choice: log-prob entries streamed, their text length
+
+        def logprobs_upto(i: int, n: int):
+            req, done = reqs[i], sent[i]
+            if req.output_logprobs is None or n <= done["entries"]:
+                return None
+            entries = req.output_logprobs[done["entries"]:n]
+            done["entries"] = n
+            if chat:
+                return chat_logprobs(state.tokenizer, entries)
+            out = completion_logprobs(state.tokenizer, entries, done["chars"])
+            done["chars"] = out["text_offset"][-1] + len(out["tokens"][-1])     # where the next piece starts
+            return out
+
+        def chunk(i, delta_text=None, reason=None, role=False, extra=None, logprobs=None):
+            if chat:
+                if role:
+                    delta = {"role": "assistant", "content": ""}
+                else:
+                    delta = {"content": delta_text} if delta_text else {}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+            else:
+                choice = {"index": i, "text": delta_text or "", "finish_reason": reason, "logprobs": logprobs}
+            body = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name, "choices": [choice]}
+            if extra:
+                body.update(extra)
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            for i in range(len(reqs)):
+                if chat or echo:
+                    yield chunk(i, role=True) if chat else chunk(i, echo)
+            open_choices = set(range(len(reqs)))
+            while open_choices:
+                i, delta, finished, reported = await queue.get()
+                req = reqs[i]
+                if delta:
+                    yield chunk(i, delta, logprobs=logprobs_upto(i, reported))
+                if not (finished and req.done.is_set() and i in open_choices):
+                    continue
+                open_choices.discard(i)
+                if req.finish_reason == "error":
+                    err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                last = not open_choices                  # spec_stats over every choice, on the last one to finish
+                yield chunk(i, reason=finish_reason(req), extra={"spec_stats": spec_stats(reqs)} if last else None,
+                            logprobs=logprobs_upto(i, reported_logprobs(req)))
+            else:
+                if include_usage:
+                    last = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name,
+                            "choices": [], "usage": usage(reqs)}
+                    yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for req in reqs:
+                if not req.done.is_set():                # client disconnected mid-stream (or a choice failed)
+                    state.scheduler.cancel(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest, body: ChatRequest):
+        return await run(http, body, chat_prompt(body), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest, body: CompletionRequest):
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
+            prompt = prompt[0]                          # a batch of one prompt: that prompt
+        if is_token_ids(prompt):
+            handler.check_token_ids(prompt)             # token ids go to the model as they are, not re-tokenized
+        elif isinstance(prompt, list):
+            raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
+        elif not prompt:
+            raise APIError(400, "prompt must be a non-empty string", "prompt")
+        return await run(http, body, prompt, chat=False)
+
+    return app
+
+
+# ---- building and running ---------------------------------------------------------------------------
+def build_state(target: str, settings, max_running: int, max_queue: int, max_len: Optional[int] = None,
+                model_name: Optional[str] = None) -> ServerState:
+    """The engine resolve_settings decided on, behind one scheduler: max_len KV slots per request (default and
+    cap: the target's context, at most 4096 by default)."""
+    from sglang_eagle3.engine.engine import eos_ids_of
+    from sglang_eagle3.engine.loader import engine_from_settings
+    engine = engine_from_settings(target, settings)
+    tctx = int(getattr(engine.target.hf_config, "max_position_embeddings", 0) or 0) or 4096
+    max_len = min(max_len or min(tctx, 4096), tctx)
+    sched = Scheduler(engine.target, engine.draft, engine.spec, engine.profile, max_running=max_running,
+                      max_len=max_len, max_queue=max_queue, eos_ids=eos_ids_of(engine.target))
+    sched.context_len = max_len
+    name = model_name or os.path.basename(os.path.normpath(target))
+    info = {"draft": os.path.abspath(settings.draft) if settings.draft else None, "dtype": settings.dtype,
+            "max_running_requests": max_running, "context_length": max_len, "target_context_length": tctx,
+            "kv_pool_mb": round(sched.worker.nbytes() / 2 ** 20, 1)}
+    return ServerState(sched, name, info)
+
+
+def run_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> int:
+    import uvicorn
+    app = create_app(state)
+    print(f"eagle3 serve: {state.model_name} on http://{host}:{port}/v1 (draft: {state.info.get('draft') or 'none'}, "
+          f"{state.info['dtype']}, up to {state.info['max_running_requests']} running requests, "
+          f"KV pool {state.info['kv_pool_mb']} MB)\n"
+          f"  curl -s http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+          f"\"max_tokens\": 64}}'", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,337 @@
+"""The EAGLE-3 training loop: setup, TTT steps, evaluation, checkpoints and resume (run_folder.py), export.
+
+Launch on GPUs with `deepspeed --num_gpus N train/train_eagle3.py ...` (ZeRO 1/2/3, bf16), on CPU with
+`torchrun --nproc_per_node N train/train_eagle3.py ...` (gloo, fp32), or as one plain process.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sglang_eagle3.models.config import ConfigError
+from sglang_eagle3.models.draft import Eagle3DraftModel
+from sglang_eagle3.models.target_head import load_target_head
+from sglang_eagle3.training.trainer import backend as B
+from sglang_eagle3.training.trainer.backend import compute_dtype, init_distributed, pick_device
+from sglang_eagle3.training.trainer.data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices
+from sglang_eagle3.training.trainer.draft_init import build_draft
+from sglang_eagle3.training.trainer.logs import PLOT_FILE, MetricsLogger, plot_curves
+from sglang_eagle3.training.trainer.run_config import TrainConfig
+from sglang_eagle3.training.trainer.run_folder import (
+    EXPORT_DIR,
+    SUMMARY_FILE,
+    check_resumable,
+    check_run_folder,
+    clear_run_folder,
+    latest_checkpoint,
+    step_rows,
+    write_checkpoint,
+)
+from sglang_eagle3.training.ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
+
+__all__ = ["TrainConfig", "Trainer", "TTTModule"]
+
+
+class TTTModule(nn.Module):
+    """What the backends train: the draft, with the target's frozen lm_head kept out of its parameters."""
+
+    def __init__(self, draft: Eagle3DraftModel, lm_head: nn.Module, **ttt_kwargs):
+        super().__init__()
+        self.draft = draft
+        object.__setattr__(self, "lm_head", lm_head)
+        self.ttt_kwargs = ttt_kwargs
+
+    def forward(self, batch: dict) -> TTTOutput:
+        return ttt_batch(self.draft, batch, self.lm_head, **self.ttt_kwargs)
+
+
+_log = B.log
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")   # DeepSpeed on recent torch
+        if cfg.features not in FEATURES:
+            raise ConfigError(f"--features must be one of {FEATURES}, got {cfg.features!r}")
+        self.device = pick_device(cfg.device)
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        else:
+            torch.cuda.set_device(self.device)
+        self.backend_name = cfg.backend if cfg.backend != "auto" else (
+            "deepspeed" if B.deepspeed_available() else "ddp")
+        if self.backend_name == "deepspeed" and not B.deepspeed_available():
+            raise ConfigError("--backend deepspeed but `import deepspeed` fails; pip install deepspeed "
+                              "or use --backend ddp")
+        init_distributed(self.backend_name == "deepspeed", self.device)
+        self.rank, self.world = B.rank(), B.world_size()
+        self.dtype = compute_dtype(cfg.dtype, self.device)     # bf16: autocast over fp32 master weights
+        self.ckpt_dir = os.path.join(cfg.out, "checkpoints")
+        check_run_folder(cfg)                       # every rank refuses alike (nothing is deleted before a barrier)
+        B.barrier()
+        if self.rank == 0:
+            if cfg.overwrite:
+                clear_run_folder(cfg.out)
+            os.makedirs(self.ckpt_dir, exist_ok=True)
+        B.barrier()
+        self._setup_data()
+        self._setup_model()
+        self._setup_backend()
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        part = (self.rank, self.world)
+        self.data, self.mode = open_rows(cfg.data, cfg.verify_dumps, self.rank == 0 and cfg.progress, part)
+        if cfg.eval_data:
+            self.eval_data, eval_mode = open_rows(cfg.eval_data, cfg.verify_dumps, False, part)
+            if eval_mode != self.mode:
+                raise ConfigError(f"--eval-data {cfg.eval_data} is {eval_mode} data but --data is {self.mode}")
+            self.train_idx, self.eval_idx = np.arange(len(self.data)), np.arange(len(self.eval_data))
+        else:
+            self.eval_data = self.data
+            self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_rows, cfg.seed)
+        self.sampler = StepSampler(self.train_idx, self.world, self.rank, cfg.micro_batch_size, cfg.grad_accum,
+                                   cfg.seed, cfg.data_start_step)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.sampler.steps_per_epoch))
+        self.eval_plan = eval_rows_of_rank(self.eval_idx, self.world, self.rank)
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        if self.mode == "online":
+            from sglang_eagle3.models.target import TargetModel
+            self.target = TargetModel.from_pretrained(cfg.target, dtype=self.dtype, device=self.device,
+                                                      aux_layer_ids=cfg.aux_layer_ids)
+            hf_config, embed, lm_head = self.target.hf_config, self.target.embed_tokens, self.target.lm_head
+            aux_ids = self.target.aux_layer_ids
+        else:
+            self.target = None
+            hf_config, embed, lm_head = load_target_head(cfg.target, self.dtype, self.device)
+            aux_ids = self.data.aux_layer_ids
+            tc = getattr(hf_config, "text_config", hf_config)
+            if (self.data.hidden_size, self.data.vocab_size) != (tc.hidden_size, tc.vocab_size):
+                raise ConfigError(f"--data {cfg.data} was dumped from a target with hidden {self.data.hidden_size}, "
+                                  f"vocab {self.data.vocab_size}; --target {cfg.target} has {tc.hidden_size}, "
+                                  f"{tc.vocab_size}")
+            if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != aux_ids and cfg.features == "fused":
+                raise ConfigError(f"--aux-layer-ids {cfg.aux_layer_ids} but the dump holds layers {aux_ids}")
+        draft = build_draft(cfg, hf_config, aux_ids, embed, lm_head, self.data, self.train_idx, self.rank,
+                            self.target)
+        self.draft_config = draft.config
+        lm_head.requires_grad_(False)
+        self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
+                                step_decay=cfg.step_decay, features=cfg.features,
+                                feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset,
+                                target_temperature=cfg.target_temperature,
+                                grow_every_chain={"auto": None, "all": True, "scored": False}[cfg.grow_chains])
+
+    def _setup_backend(self) -> None:
+        cfg = self.cfg
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        optimizer = B.adamw(params, cfg.lr, cfg.weight_decay, self.device)
+        warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, B.warmup_cosine(self.total_steps, warmup, cfg.min_lr_ratio))
+        bf16 = self.dtype == torch.bfloat16
+        if self.backend_name == "deepspeed":
+            # GPU: DeepSpeed's own bf16 (bf16 weights, fp32 master copy); CPU: fp32 engine under torch autocast
+            ds_bf16 = bf16 and self.device.type == "cuda"
+            ds_cfg = B.load_ds_config(cfg.deepspeed_config, cfg.zero_stage if cfg.zero_stage is not None else
+                                      (None if cfg.deepspeed_config else 2), cfg.micro_batch_size, cfg.grad_accum,
+                                      cfg.grad_clip, ds_bf16)
+            self.backend = B.DeepSpeedBackend(self.module, optimizer, scheduler, ds_cfg,
+                                              torch.bfloat16 if bf16 and not ds_bf16 else None)
+            self.zero_stage = self.backend.zero_stage
+        else:
+            self.backend = B.TorchBackend(self.module, optimizer, scheduler, cfg.grad_accum, cfg.grad_clip,
+                                          torch.bfloat16 if bf16 else None)
+            self.zero_stage = None
+
+    # ---- batches -------------------------------------------------------------------------------
+    def make_batch(self, data, rows: list[int]) -> dict:
+        want_aux = self.cfg.features == "fused"
+        if self.mode == "offline":
+            items = [data.read(i, aux=want_aux) for i in rows]
+        elif self.device.type == "cpu":          # compute-bound: the target runs on each row alone, not on padding
+            items = [self.with_target_features(data[i]) for i in rows]
+        else:
+            items = [data[i] for i in rows]
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items, self.cfg.max_length).items()}
+        if self.mode == "online" and "last_hidden" not in batch:     # GPU: one padded target forward for the batch
+            with torch.no_grad():
+                batch["aux_hidden_states"], batch["last_hidden"] = self.target.features(
+                    batch["input_ids"], batch["attention_mask"])
+        return pack(batch) if self.cfg.pack_rows else batch
+
+    @torch.no_grad()
+    def with_target_features(self, item: dict) -> dict:
+        """Online mode on CPU: a token row (cut to max_length) plus the target's aux_hidden_states [n, n_aux*H]
+        and last_hidden [n, H], computed on the row alone."""
+        item = {k: v[:self.cfg.max_length] for k, v in item.items()}
+        aux, last = self.target.features(item["input_ids"][None])
+        return {**item, "aux_hidden_states": aux[0], "last_hidden": last[0]}
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.backend.train(False)
+        K = self.cfg.ttt_length
+        acc = torch.zeros(2 * K + 4, dtype=torch.float64)        # counters, loss sum, rows
+        for row, counted in self.eval_plan:
+            out = self.backend.eval_batch(self.make_batch(self.eval_data, [row]))
+            if counted:
+                acc[:2 * K + 2] += out.counters().cpu()
+                acc[2 * K + 2] += float(out.loss)
+                acc[2 * K + 3] += 1
+        acc = B.all_reduce_sum(acc.to(self.device)).cpu()
+        self.backend.train(True)
+        m = metrics_from_counters(acc[:2 * K + 2])
+        m["loss"] = float(acc[2 * K + 2] / acc[2 * K + 3]) if acc[2 * K + 3] else float("nan")
+        m["rows"] = int(acc[2 * K + 3])
+        return m
+
+    def _log_eval(self, step: int, logger, bar) -> dict:
+        rec = {"step": step, "split": "eval", "tokens_seen": self.tokens_seen, **self.evaluate()}
+        if logger:
+            logger.log(rec)
+            bar.write(f"eval @ {step}: loss {rec['loss']:.4f} " + " ".join(
+                f"acc_{k} {rec[f'acc_{k}']:.3f}" for k in range(self.cfg.ttt_length)) +
+                f" accept_len {rec['accept_length']:.3f}")
+        return rec
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _state(self, step: int) -> dict:
+        c = self.cfg
+        state = {"step": step, "total_steps": self.total_steps, "world_size": self.world,
+                 "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
+                 "seed": c.seed, "data_start_step": c.data_start_step, "backend": self.backend_name,
+                 "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
+                 "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
+                 "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
+        return {**state, **step_rows(state)}
+
+    def save_checkpoint(self, step: int) -> str:
+        return write_checkpoint(self.ckpt_dir, step, self.backend.save, self._state(step),
+                                self.cfg.keep_checkpoints, self.cfg.keep_every)
+
+    def try_resume(self) -> int:
+        """With --resume: load the newest checkpoint (refusing one from a different run) and return its step."""
+        found = latest_checkpoint(self.ckpt_dir) if self.cfg.resume else None
+        if found is None:
+            return 0
+        path, state = found
+        check_resumable(path, state, self._state(state["step"]), self.cfg.out)
+        self.backend.load(path)
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        _log(f"resumed from {path} (step {state['step']}/{self.total_steps})")
+        return int(state["step"])
+
+    # ---- export ----------------------------------------------------------------------------------
+    def param_checksum(self) -> float:
+        with self.backend.gathered():
+            return float(sum(p.detach().double().sum() + p.detach().double().abs().sum()
+                             for p in self.module.draft.parameters()))
+
+    def export(self) -> Optional[str]:
+        """Save the draft (bf16, SGLang layout, d2t/t2d inside) to OUT/draft; returns the path on rank 0."""
+        with self.backend.gathered():
+            state = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+                     for k, v in self.module.draft.state_dict().items()} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        draft = Eagle3DraftModel(self.draft_config)
+        draft.load_state_dict(state)
+        path = os.path.join(self.cfg.out, EXPORT_DIR)
+        draft.save_pretrained(path, dtype=torch.bfloat16)
+        return path
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from tqdm import tqdm
+        cfg = self.cfg
+        self.tokens_seen = 0                                     # training tokens since step 0 (resumes with it)
+        start = self.try_resume()
+        logger = MetricsLogger(cfg.out, start, cfg.tensorboard) if self.rank == 0 else None
+        n_params = sum(p.numel() for p in self.module.draft.parameters())
+        _log(f"train: {self.mode} data, {len(self.train_idx)} train / {len(self.eval_idx)} eval rows, "
+             f"{n_params / 1e6:.2f}M draft params, vocab {self.draft_config.draft_vocab_size}, "
+             f"features {cfg.features}, backend {self.backend_name}"
+             f"{'' if self.zero_stage is None else f' ZeRO-{self.zero_stage}'} x {self.world} "
+             f"({self.device.type}, {str(self.dtype).replace('torch.', '')}), steps {start}->{self.total_steps}")
+        K = cfg.ttt_length
+        bar = tqdm(total=self.total_steps, initial=start, unit="step", disable=self.rank != 0 or not cfg.progress,
+                   dynamic_ncols=True)
+        win = torch.zeros(2 * K + 4, dtype=torch.float64)       # counters, loss sum, tokens
+        win_steps, win_time, total_tokens, total_time = 0, 0.0, 0, 0.0
+        last_eval = None
+        if start == 0 and cfg.init_from and len(self.eval_idx):
+            self._log_eval(0, logger, bar)       # the warm start's own score on this run's held-out rows
+        self.backend.train(True)
+        for step in range(start, self.total_steps):
+            t0 = time.perf_counter()
+            micro = self.sampler.micro_batches(step)
+            local = torch.zeros(2 * K + 4, dtype=torch.float64)
+            for a, rows in enumerate(micro):
+                batch = self.make_batch(self.data, rows)
+                out = self.backend.train_micro(batch, boundary=a == len(micro) - 1)
+                local[:2 * K + 2] += out.counters().cpu()
+                local[2 * K + 2] += float(out.loss.detach()) / len(micro)
+                local[2 * K + 3] += float(batch["attention_mask"].sum())
+            local = B.all_reduce_sum(local.to(self.device)).cpu()
+            dt = time.perf_counter() - t0
+            win += local
+            win_steps, win_time = win_steps + 1, win_time + dt
+            total_tokens, total_time = total_tokens + int(local[2 * K + 3]), total_time + dt
+            self.tokens_seen += int(local[2 * K + 3])
+            done = step + 1
+            if done % cfg.log_every == 0 or done == self.total_steps:
+                rec = {"step": done, "split": "train", "epoch": self.sampler.epoch_of(step),
+                       "tokens_seen": self.tokens_seen,
+                       "loss": float(win[2 * K + 2] / (win_steps * self.world)), "lr": self.backend.lr(),
+                       "grad_norm": self.backend.grad_norm(), "tokens_per_s": float(win[2 * K + 3] / win_time),
+                       **metrics_from_counters(win[:2 * K + 2])}
+                if logger:
+                    logger.log(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.3f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}")
+                win.zero_()
+                win_steps, win_time = 0, 0.0
+            if len(self.eval_idx) and (done % cfg.eval_every == 0 or done == self.total_steps):
+                last_eval = self._log_eval(done, logger, bar)
+            if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
+                self.save_checkpoint(done)
+            bar.update(1)
+        bar.close()
+        checksums = [None] * self.world
+        local_sum = self.param_checksum()
+        if B.is_dist():
+            dist.all_gather_object(checksums, local_sum)
+        else:
+            checksums = [local_sum]
+        path = self.export()
+        summary = {"steps": self.total_steps, "resumed_from": start, "backend": self.backend_name,
+                   "zero_stage": self.zero_stage, "world_size": self.world, "device": self.device.type,
+                   "dtype": str(self.dtype).replace("torch.", ""), "final_eval": last_eval,
+                   "train_tokens": total_tokens, "tokens_seen": self.tokens_seen, "train_time_s": total_time,
+                   "tokens_per_s": total_tokens / total_time if total_time else None,
+                   "param_checksums": checksums, "export": path, "config": asdict(cfg)}
+        if logger:
+            logger.close()
+            plot_curves(logger.path, os.path.join(cfg.out, PLOT_FILE), title=f"EAGLE-3 draft: {cfg.target}")
+            with open(os.path.join(cfg.out, SUMMARY_FILE), "w") as f:
+                json.dump(summary, f, indent=2)
+            _log(f"train: done; draft -> {path}; {summary['tokens_per_s'] or 0:.0f} tokens/s; "
+                 f"curves -> {os.path.join(cfg.out, PLOT_FILE)}")
+        B.barrier()
+        return summary

@@ -1,0 +1,150 @@
+"""Draft vocabulary: the target tokens the draft can propose, chosen by frequency in the training answers.
+
+EAGLE-3 drafts predict over a reduced vocabulary. We count the loss-masked (assistant) tokens of a prepared
+dataset, keep the `draft_vocab_size` most frequent target ids (ties -> lower id), and store them sorted:
+  draft_to_target [D] int64   target id of draft id j (ascending)
+  d2t             [D] int64   draft_to_target - arange(D)   (SGLang/EAGLE convention: target = j + d2t[j])
+  t2d             [V] bool    True where a target id is in the draft vocab
+These match `Eagle3DraftModel.set_vocab_mapping`. Saved as `draft_vocab.safetensors` (+ `draft_vocab.json` report).
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+VOCAB_FILE, REPORT_FILE = "draft_vocab.safetensors", "draft_vocab.json"
+CANDIDATE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 32768)
+
+
+def count_tokens(rows: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
+    """rows of (input_ids [n], loss_mask [n]) -> counts [vocab_size] int64 of loss-masked token ids."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in rows:
+        ids = np.asarray(ids, dtype=np.int64)[np.asarray(mask).astype(bool)]
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            raise ValueError(f"token id {int(ids.max())} is outside the target vocab of {vocab_size}; "
+                             "was the data tokenized for another target?")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def rank_ids(counts: np.ndarray) -> np.ndarray:
+    """All ids ordered by count (descending), ties and unseen ids by id (ascending)."""
+    return np.lexsort((np.arange(counts.size), -counts))
+
+
+def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, dict]:
+    """-> draft_to_target [D] int64 (ascending), info {seen, filled, coverage}."""
+    V = counts.size
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in [1, {V}] (the target vocab), got {draft_vocab_size}")
+    chosen = rank_ids(counts)[:draft_vocab_size]
+    seen = int((counts > 0).sum())
+    total = int(counts.sum())
+    info = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": V, "distinct_assistant_tokens": seen,
+            "assistant_tokens": total,
+            "filled_with_unseen_ids": max(0, draft_vocab_size - seen),
+            "coverage": float(counts[chosen].sum() / total) if total else 0.0}
+    return torch.from_numpy(np.sort(chosen).astype(np.int64)), info
+
+
+def vocab_mapping(draft_to_target: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_to_target [D] -> (d2t [D] int64, t2d [V] bool)."""
+    d2t = draft_to_target.long() - torch.arange(draft_to_target.numel(), dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_to_target.long()] = True
+    return d2t, t2d
+
+
+def coverage_table(counts: np.ndarray, sizes=CANDIDATE_SIZES) -> list[dict]:
+    """Fraction of assistant tokens covered by the top-k ids, for each candidate size k <= vocab."""
+    total = counts.sum()
+    cum = np.cumsum(np.sort(counts)[::-1])
+    return [{"size": k, "coverage": float(cum[k - 1] / total) if total else 0.0}
+            for k in sorted(set(sizes)) if k <= counts.size]
+
+
+def save_vocab(directory: str, draft_to_target: torch.Tensor, counts: np.ndarray, report: dict) -> str:
+    from safetensors.torch import save_file
+    d2t, t2d = vocab_mapping(draft_to_target, counts.size)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, VOCAB_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({"draft_to_target": draft_to_target.contiguous(), "d2t": d2t, "t2d": t2d,
+               "token_counts": torch.from_numpy(counts)}, tmp)
+    os.replace(tmp, path)
+    from sglang_eagle3.fileio import write_json
+    write_json(os.path.join(directory, REPORT_FILE), report)
+    return path
+
+
+def load_vocab(path: str) -> dict[str, torch.Tensor]:
+    """A draft_vocab.safetensors file (or a dir holding one) -> {draft_to_target, d2t, t2d, token_counts}."""
+    from safetensors.torch import load_file
+    if os.path.isdir(path):
+        path = os.path.join(path, VOCAB_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no draft vocab; build it with `eagle3 build-vocab`")
+    return load_file(path)
+
+
+def build_vocab(data_dir: str, draft_vocab_size: int, vocab_size: Optional[int] = None,
+                out_dir: Optional[str] = None) -> dict:
+    """Count a prepared dataset's assistant tokens, choose the draft vocab, save it; returns the report."""
+    from sglang_eagle3.training.data.build import iter_tokenized, read_stats
+    if vocab_size is None:
+        vocab_size = int(read_stats(data_dir)["target_vocab_size"])
+    counts = count_tokens(iter_tokenized(data_dir), vocab_size)
+    if counts.sum() == 0:
+        raise ValueError(f"{data_dir}: no assistant tokens to count")
+    draft_to_target, info = select_draft_vocab(counts, draft_vocab_size)
+    report = {**info, "coverage_table": coverage_table(counts, CANDIDATE_SIZES + (draft_vocab_size,)),
+              "data": os.path.abspath(data_dir),
+              "file": os.path.abspath(os.path.join(out_dir or data_dir, VOCAB_FILE))}
+    save_vocab(out_dir or data_dir, draft_to_target, counts, report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"draft vocab {report['draft_vocab_size']} of {report['target_vocab_size']} target ids covers "
+             f"{100 * report['coverage']:.2f}% of {report['assistant_tokens']} assistant tokens "
+             f"({report['distinct_assistant_tokens']} distinct)"]
+    if report["filled_with_unseen_ids"]:
+        lines.append(f"note: only {report['distinct_assistant_tokens']} distinct tokens in the data; "
+                     f"{report['filled_with_unseen_ids']} unseen ids (lowest first) fill the rest")
+    lines.append("  size   coverage")
+    lines += [f"{row['size']:>6}   {100 * row['coverage']:7.2f}%" for row in report["coverage_table"]]
+    return "\n".join(lines)
+
+
+def remap_lm_head(old_head: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor,
+                  target_head: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A trained draft's output rows moved to a new draft vocabulary (e.g. a larger one).
+
+    old_head [D_old, H] rows of old_ids [D_old]; new_ids [D_new] target ids; target_head [V, H_t] the target's
+    output rows. Tokens in both vocabularies keep their trained row. A new token's row is predicted from the
+    target's row of that token by a least-squares affine map fitted on the shared tokens (target row -> draft
+    row; the two heads live in different spaces, but one linear map relates them closely: held-out cosine 0.94
+    on the SmolLM2 draft). -> (new_head [D_new, H], info {kept, new, dropped, fit_cosine}).
+    """
+    old_ids, new_ids = old_ids.long(), new_ids.long()
+    row_of = {int(t): j for j, t in enumerate(old_ids.tolist())}
+    kept = [(i, row_of[int(t)]) for i, t in enumerate(new_ids.tolist()) if int(t) in row_of]
+    if len(kept) < 2:
+        raise ValueError(f"the new draft vocabulary shares {len(kept)} tokens with the old one: nothing to map from")
+    new_pos = torch.tensor(sorted(set(range(len(new_ids))) - {i for i, _ in kept}), dtype=torch.long)
+    k_new, k_old = (torch.tensor(c, dtype=torch.long) for c in zip(*kept))
+    src = target_head.float()
+    x = torch.cat([src[old_ids[k_old]], torch.ones(len(kept), 1)], dim=1)           # [K, H_t + 1]
+    y = old_head.float()[k_old]                                                      # [K, H]
+    affine = torch.linalg.lstsq(x, y, driver="gelsd").solution                       # [H_t + 1, H]
+    fit_cos = torch.nn.functional.cosine_similarity(x @ affine, y, dim=1).mean().item()
+    out = torch.empty(len(new_ids), old_head.shape[1], dtype=torch.float32)
+    out[k_new] = y
+    if len(new_pos):
+        out[new_pos] = torch.cat([src[new_ids[new_pos]], torch.ones(len(new_pos), 1)], dim=1) @ affine
+    info = {"kept": len(kept), "new": len(new_pos), "dropped": len(old_ids) - len(kept), "fit_cosine": fit_cos}
+    return out.to(old_head.dtype), info
