@@ -307,7 +307,7 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
     assert sched.spec_for(1) == SpecConfig(3, 2, 6) and sched.spec_for(1, sampled=True) == SpecConfig(1, 2, 3)
     seen = []
     step = sched.worker.step
-    sched.worker.step = lambda rows, params, gens, spec: seen.append(spec) or step(rows, params, gens, spec)
+    sched.worker.step = lambda rows, params, gens, spec, *rest: seen.append(spec) or step(rows, params, gens, spec, *rest)
     eng.generate(["w1 w2"], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))
     eng.generate(["w1 w2"], SamplingParams(max_new_tokens=3))
     assert SpecConfig(1, 2, 3) in seen and seen[-1] == SpecConfig(3, 2, 6)
@@ -352,7 +352,7 @@ def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
     sched = eng.scheduler(4, 64)
     seen = []
     step = sched.worker.step
-    sched.worker.step = lambda rows, params, gens, spec: seen.append(spec) or step(rows, params, gens, spec)
+    sched.worker.step = lambda rows, params, gens, spec, *rest: seen.append(spec) or step(rows, params, gens, spec, *rest)
     eng.generate(["w1 w2"], SamplingParams(max_new_tokens=2, ignore_eos=True))
     short = list(seen)
     eng.generate([" ".join(f"w{i % 7 + 1}" for i in range(12))], SamplingParams(max_new_tokens=2, ignore_eos=True))

@@ -215,7 +215,7 @@ def test_auto_picks_the_builtin_engine_without_a_gpu(capsys, folders, monkeypatc
     folders = {**folders, "target": target}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launcher.main(["--target", folders["target"], "--draft", folders["draft"], "--dry-run"]) == 0
-    assert "builtin engine, tree num_steps=5 topk=4 num_draft_tokens=16" in capsys.readouterr().err
+    assert "builtin engine, drafter eagle, tree num_steps=5 topk=4 num_draft_tokens=16" in capsys.readouterr().err
     assert launcher.main(["--target", folders["target"], "--draft", folders["draft"], "--profile",
                           folders["profile.json"], "--dry-run"]) == 0
     assert "adaptive speculation from" in capsys.readouterr().err

@@ -170,27 +170,35 @@ def chi2_pvalue(counts, p):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("biased,top_p,ext", [(False, 0.95, True), (False, 1.0, True), (False, 0.95, False),
-                                              (True, 0.95, False)])
-def test_engine_sampling_matches_target_distribution(biased, top_p, ext, monkeypatch):
+@pytest.mark.parametrize("biased,top_p,ext,drafter", [(False, 0.95, True, "eagle"), (False, 1.0, True, "eagle"),
+                                                      (False, 0.95, False, "eagle"), (True, 0.95, False, "eagle"),
+                                                      (False, 0.95, True, "hybrid"), (False, 0.95, False, "hybrid"),
+                                                      (True, 0.95, False, "hybrid"), (False, 0.95, True, "suffix")])
+def test_engine_sampling_matches_target_distribution(biased, top_p, ext, drafter, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
     passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). ext: csrc's accept_sampling
-    walks the tree (where the extension is built), else the PyTorch walk."""
+    walks the tree (where the extension is built), else the PyTorch walk. hybrid / suffix: trees that hold nodes the
+    context proposed (deterministic proposals beside the draft's, or alone) stay exact too."""
+    from sglang_eagle3.engine.speculation import Drafting
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
     params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, ignore_eos=True)
-    prompt = [3, 7, 1, 12]
+    prompt = [3, 7, 1, 12, 5, 9, 0, 2, 4, 6, 8, 10, 11, 13, 14, 15, 3]   # every token once: each proposes
     exact = exact_marginals(hf, prompt, 3, params)
     if not ext:
         monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
     if biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
-    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), SpecConfig(2, 3, 6))
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), SpecConfig(2, 3, 6),
+                            drafting=Drafting(drafter, context_tokens=3, context_branches=2, min_match=1))
     counts = torch.zeros(3, 16)
+    from_context = 0
     for seed in range(3):
-        outs, _ = eng.generate([" ".join(map(str, prompt))] * 1000, SamplingParams(**{**params.__dict__, "seed": seed}))
+        outs, st = eng.generate([" ".join(map(str, prompt))] * 1000, SamplingParams(**{**params.__dict__, "seed": seed}))
+        from_context += st.context_tokens
         for o in outs:
             for i, t in enumerate(o.token_ids):
                 counts[i, t] += 1
+    assert (from_context > 100) == (drafter != "eagle")       # the mixed trees were there, and accepted from
     pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
     assert pvals[0] > 1e-3                       # first token comes from the prefill, never from the tree
     if biased:

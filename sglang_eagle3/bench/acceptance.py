@@ -26,6 +26,7 @@ from collections import Counter
 
 from sglang_eagle3.bench import report, run_cli
 from sglang_eagle3.bench.acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms, tree_text
+from sglang_eagle3.bench.drafters import turn_seed
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
 DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
@@ -35,12 +36,14 @@ DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 
 
 def resolve_sets(names: list[str], data: str) -> dict[str, str]:
-    """'mt_bench' -> <data>/eval/mt_bench.jsonl; a path ending in .jsonl is used as is (named by its stem)."""
+    """'mt_bench' -> <data>/eval/mt_bench.jsonl; a path ending in .jsonl is used as is (named by its stem); the sets
+    built from others (--drafters: mt_bench_turn2, code_edit) name the file they are built from."""
     from sglang_eagle3.errors import UserError
+    built = {"mt_bench_turn2": "mt_bench", "code_edit": "humaneval"}
     out = {}
     for name in names:
-        path = name if name.endswith(".jsonl") else os.path.join(data, "eval", f"{name}.jsonl")
-        key = os.path.splitext(os.path.basename(path))[0]
+        path = name if name.endswith(".jsonl") else os.path.join(data, "eval", f"{built.get(name, name)}.jsonl")
+        key = name if name in built else os.path.splitext(os.path.basename(path))[0]
         if not os.path.isfile(path):
             folder = os.path.dirname(path)
             have = sorted(f[:-6] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
@@ -50,11 +53,6 @@ def resolve_sets(names: list[str], data: str) -> dict[str, str]:
             raise UserError(f"--datasets: {key} given twice")
         out[key] = path
     return out
-
-
-def turn_seed(seed: int, set_index: int, prompt_index: int, turn: int) -> int:
-    """Per (set, prompt, turn) seed: both runs of a prompt get the same one, and reruns repeat."""
-    return (seed * 1_000_003 + set_index * 10_007 + prompt_index * 101 + turn) % (2 ** 62)
 
 
 # ---- one conversation ------------------------------------------------------------------------
@@ -207,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-draft", default=None, metavar="DRAFT",
                    help="a second draft decoded on every prompt beside --draft (same target and tree, the vanilla "
                         "run shared, the order rotated): both drafts' τ and speed-ups side by side in one run")
+    p.add_argument("--drafters", default=None, metavar="LIST",
+                   help="compare drafters side by side instead (bench/drafters.py): comma list of eagle, suffix, "
+                        "hybrid, each optionally -auto (the tree sized each step), e.g. "
+                        "eagle,suffix,hybrid,hybrid-auto; --datasets may then also name mt_bench_turn2 and code_edit")
     add_spec_args(p)
     add_compile_arg(p)
     return p
@@ -276,6 +278,12 @@ def run(argv=None) -> int:
                               ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
+    if a.drafters:
+        from sglang_eagle3.bench.drafters import run_drafters
+
+        def settings_of(drafter: str, tree: str):
+            return settings_from_args(argparse.Namespace(**{**vars(a), "drafter": drafter, "tree": tree}), draft, 1)
+        return run_drafters(a, sets, resolve_target(a.target), draft, settings_of)
     settings = settings_from_args(a, draft, batch_size=1)      # batch 1: one prompt at a time
     spec, profile, source = settings.engine_tree, settings.profile, settings.source
     a.num_steps, a.topk, a.num_draft_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens   # what ran is recorded

@@ -160,11 +160,8 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
 
 def cpu_model() -> Optional[str]:
     """The CPU's model name (/proc/cpuinfo), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
+    from sglang_eagle3.kernels.extension import cpu_model as model_name
+    return model_name() or None
 
 
 def run_metadata() -> dict:

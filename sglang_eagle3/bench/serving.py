@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from sglang_eagle3.bench import report
+from sglang_eagle3.bench.drafters import parse_drafters
 
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 
@@ -149,22 +150,21 @@ class LocalServer:
 # ---- outputs ------------------------------------------------------------------------------------
 def table(result: dict) -> str:
     names = [s["name"] for s in result["servers"]]
-    base = names[0]
-    head = ["concurrency"] + [f"{n} tok/s" for n in names] + ([f"{names[1]}/{base}"] if len(names) > 1 else []) + \
+    base, others = names[0], names[1:]
+    head = ["concurrency"] + [f"{n} tok/s" for n in names] + [f"{n}/{base}" for n in others] + \
         [f"{n} req/s" for n in names] + [f"{n} TTFT p50/p99 ms" for n in names] + \
-        [f"{n} ITL p50/p99 ms" for n in names] + [f"{names[-1]} accept len"]
+        [f"{n} ITL p50/p99 ms" for n in names] + [f"{n} accept len" for n in others]
     rows = []
     for c in result["concurrency"]:
         lv = {n: result["levels"][n][str(c)] for n in names}
         ms = lambda a, b: f"{a * 1e3:.0f} / {b * 1e3:.0f}" if a is not None and b is not None else "-"  # noqa: E731
         row = [str(c)] + [f"{lv[n]['output_tokens_per_s']:.1f}" for n in names]
-        if len(names) > 1:
-            row.append(f"{report.safe_div(lv[names[1]]['output_tokens_per_s'], lv[base]['output_tokens_per_s']):.2f}x")
+        row += [report.fmt_speedup(report.safe_div(lv[n]["output_tokens_per_s"], lv[base]["output_tokens_per_s"]))
+                for n in others]
         row += [f"{lv[n]['requests_per_s']:.2f}" for n in names]
         row += [ms(lv[n]["ttft_p50_s"], lv[n]["ttft_p99_s"]) for n in names]
         row += [ms(lv[n]["itl_p50_s"], lv[n]["itl_p99_s"]) for n in names]
-        acc = lv[names[-1]]["accept_length"]
-        row.append(f"{acc:.2f}" if acc else "-")
+        row += [f"{lv[n]['accept_length']:.2f}" if lv[n]["accept_length"] else "-" for n in others]
         rows.append(row)
     return report.format_table(head, rows)
 
@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="with --start: speculation profile (default: the draft's own)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="with --start: " + AUTO_DTYPE_HELP)
     p.add_argument("--max-running", type=int, default=32, help="with --start: the servers' running-batch limit")
+    p.add_argument("--drafters", default=None, metavar="LIST",
+                   help="with --start: one server per drafter beside vanilla (bench_acceptance --drafters names, e.g. "
+                        "eagle,hybrid-auto); default: one EAGLE-3 server with the draft's own settings")
     p.add_argument("--data", default=None)
     p.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,alpaca,sum")
     p.add_argument("--concurrency", default=DEFAULT_LEVELS)
@@ -251,9 +254,13 @@ def run(argv=None) -> int:
             started.append(van)
             spec_args = [*common] + (["--draft", a.draft] if a.draft else []) + \
                 (["--profile", a.profile] if a.profile else [])
-            eagle = LocalServer(spec_args, report.sibling(a.out, ".eagle3.log"))
-            started.append(eagle)
-            servers = [{"name": "vanilla", "url": van.url}, {"name": "EAGLE-3", "url": eagle.url}]
+            servers = [{"name": "vanilla", "url": van.url}]
+            columns = parse_drafters(a.drafters) if a.drafters else [("EAGLE-3", None, None)]
+            for name, drafter, tree in columns:
+                how = ["--drafter", drafter, "--tree", tree] if drafter else []
+                srv = LocalServer([*spec_args, *how], report.sibling(a.out, f".{name}.log"))
+                started.append(srv)
+                servers.append({"name": name, "url": srv.url})
         else:
             for item in a.url:
                 name, _, url = item.partition("=")
@@ -267,8 +274,9 @@ def run(argv=None) -> int:
                   "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
                   "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
                            f", max_tokens {a.max_tokens}, T={a.temperature:g}"}
-        for s in servers:                                                   # warm-up
-            asyncio.run(run_level(s["url"], s["model"], prompts, 2, 2, 8, a.temperature, False, a.timeout))
+        for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)
+            asyncio.run(run_level(s["url"], s["model"], prompts[::-1], levels[0], max(4, 2 * levels[0]),
+                                  a.max_tokens, a.temperature, a.ignore_eos, a.timeout))
         for c in levels:
             n = a.requests or max(16, 2 * c)
             order = servers if levels.index(c) % 2 == 0 else servers[::-1]
@@ -284,11 +292,11 @@ def run(argv=None) -> int:
         for srv in started:
             srv.stop()
     text = f"{result['title']}\n\n{table(result)}\n"
-    if len(servers) > 1:
-        ratios = [report.safe_div(result["levels"][servers[1]["name"]][str(c)]["output_tokens_per_s"],
+    for other in servers[1:]:
+        ratios = [report.safe_div(result["levels"][other["name"]][str(c)]["output_tokens_per_s"],
                                   result["levels"][servers[0]["name"]][str(c)]["output_tokens_per_s"]) for c in levels]
-        text += (f"\n{servers[1]['name']} / {servers[0]['name']} output tokens/s: min {min(ratios):.2f}x, "
-                 f"max {max(ratios):.2f}x over concurrency {levels[0]}..{levels[-1]}\n")
+        text += (f"\n{other['name']} / {servers[0]['name']} output tokens/s: "
+                 + ", ".join(f"{c}: {report.fmt_speedup(r)}" for c, r in zip(levels, ratios)) + "\n")
     md = report.write_text_atomic(report.sibling(a.out, ".md"), text)
     png = plot(result, report.sibling(a.out, ".png"))
     print(text)

@@ -109,9 +109,10 @@ def run_generate(a) -> int:
     engine = engine_from_settings(a.target, settings)
     outputs, stats = decode_conversations(engine, rows, params, a)
     tree = settings.engine_tree if settings.draft else None
+    drafting = {"drafter": settings.drafting.drafter, "tree": settings.drafting.tree} if settings.speculates else None
     if a.json:
         json.dump({"outputs": outputs, "stats": stats.as_dict(), "draft": settings.draft or "none",
-                   "dtype": settings.dtype, "source": settings.source,
+                   "dtype": settings.dtype, "source": settings.source, "drafting": drafting,
                    "tree": None if tree is None else
                    {"num_steps": tree.num_steps, "topk": tree.topk, "num_draft_tokens": tree.num_draft_tokens,
                     "source": settings.source, "adaptive": settings.profile is not None}}, sys.stdout)

@@ -13,8 +13,9 @@ from typing import Optional, Union
 
 import torch
 
-from sglang_eagle3.engine.scheduler import Request, RequestError, Scheduler, SchedulerStats
-from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+from sglang_eagle3.engine.cost_model import StepCosts
+from sglang_eagle3.engine.scheduler import Request, RequestError, Scheduler, SchedulerStats, tree_slots
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 
 Prompt = Union[str, list]   # plain text, chat messages [{"role", "content"}], or token ids [int] (used as they are)
@@ -29,6 +30,7 @@ class RequestOutput:
     verify_steps: int                          # target forwards that produced tokens (prefill included)
     accept_lengths: list[int] = field(default_factory=list)   # tokens emitted per forward ([0] = prefill)
     logprobs: Optional[list[TokenLogprob]] = None             # per token, when SamplingParams.logprobs is set
+    context_tokens: int = 0                                   # accepted tokens the context alone proposed
 
     @property
     def accept_length(self) -> float:
@@ -43,6 +45,10 @@ class BatchStats:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     total_time: float = 0.0
+    drafted_steps: int = 0           # decoding steps the draft model ran in
+    decode_steps: int = 0            # batched decoding steps
+    tree_nodes: int = 0              # tokens per row the verifies ran, summed over steps
+    context_tokens: int = 0          # accepted tokens the context alone proposed
 
     @property
     def accept_length(self) -> float:
@@ -60,7 +66,9 @@ class BatchStats:
         return {"accept_length": self.accept_length, "tokens_per_s": self.tokens_per_s,
                 "verify_steps": self.verify_steps, "generated_tokens": self.generated_tokens,
                 "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,
-                "prefill_time_s": self.prefill_time, "total_time_s": self.total_time}
+                "prefill_time_s": self.prefill_time, "total_time_s": self.total_time,
+                "decode_steps": self.decode_steps, "drafted_steps": self.drafted_steps,
+                "tree_nodes": self.tree_nodes, "context_tokens": self.context_tokens}
 
 
 def eos_ids_of(target) -> set[int]:
@@ -93,9 +101,11 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
 
 class SpeculativeEngine:
-    def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None):
+    def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
+                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None):
         self.target, self.draft = target, draft
         self.spec, self.profile = spec or SpecConfig(), profile
+        self.drafting, self.costs = drafting or Drafting(), costs
         self.tokenizer = target.tokenizer
         if draft is not None:
             draft.check_target(target.hf_config, target.aux_layer_ids)
@@ -132,10 +142,7 @@ class SpeculativeEngine:
                                "(--truncate-prompt drops the oldest prompt tokens instead)")
 
     def tree_slots(self) -> int:
-        if self.draft is None:
-            return 1
-        trees = self.profile.trees() if self.profile else [self.spec]
-        return max((t.num_draft_tokens for t in trees), default=1)
+        return tree_slots(self.spec, self.profile, self.drafting, self.draft is not None)
 
     def scheduler(self, max_running: int, max_len: int) -> Scheduler:
         """A scheduler with at least these rows and slots (kept between calls; grown when needed)."""
@@ -143,7 +150,8 @@ class SpeculativeEngine:
         if s is None or s.max_running < max_running or s.max_len < max_len:
             self._scheduler = None                         # free the old pools first
             s = self._scheduler = Scheduler(self.target, self.draft, self.spec, self.profile, max_running,
-                                            max_len, max_queue=1 << 30, eos_ids=self.eos_ids)
+                                            max_len, max_queue=1 << 30, eos_ids=self.eos_ids,
+                                            drafting=self.drafting, costs=self.costs)
         return s
 
     # ---- public API ----------------------------------------------------------------------
@@ -176,7 +184,7 @@ class SpeculativeEngine:
         if failed:
             raise RuntimeError(f"request failed: {failed[0].error}")
         stats = BatchStats(st.generated_tokens, st.verify_steps, st.times.draft, st.times.verify, st.times.prefill,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, st.drafted_steps, st.steps, st.tree_nodes, st.context_tokens)
         outputs = [RequestOutput(r.prompt, r.text, r.output_ids, r.finish_reason, r.verify_steps, r.accept_lengths,
-                                 r.output_logprobs) for r in reqs]
+                                 r.output_logprobs, r.context_tokens) for r in reqs]
         return outputs, stats

@@ -17,8 +17,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sglang_eagle3.engine.spec_worker import SpecWorker, StepTimes
-from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, load_or_measure_costs
+from sglang_eagle3.engine.spec_worker import MAX_CONTEXT_NODES, SpecWorker, StepTimes
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
+from sglang_eagle3.engine.suffix import ContextDrafter
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 from sglang_eagle3.errors import UserError
 
@@ -66,6 +68,7 @@ class Request:
     # state
     output_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)     # tokens kept per target forward (prefill: 1)
+    context_tokens: int = 0                                     # accepted tokens the context alone proposed
     output_logprobs: Optional[list[TokenLogprob]] = None        # one per output token when params.logprobs is set
     text: str = ""
     finish_reason: Optional[str] = None                         # eos | length | stop | cancelled | error
@@ -99,18 +102,40 @@ class SchedulerStats:
     steps: int = 0                 # batched decoding steps
     finished: int = 0
     times: StepTimes = field(default_factory=StepTimes)
+    drafted_steps: int = 0         # steps the draft model ran in
+    tree_nodes: int = 0            # sum over steps of the tokens per row each verify ran
+    context_tokens: int = 0        # accepted tokens that the context alone proposed
+
+
+def tree_slots(spec: Optional[SpecConfig], profile: Optional[SpecProfile], drafting: Drafting,
+               has_draft: bool) -> int:
+    """Target KV slots one verify writes per row at most: the largest tree any step may run."""
+    if drafting.tree == "auto" and (has_draft or drafting.uses_context):
+        return drafting.max_nodes
+    trees = (profile.trees() if profile else [spec or SpecConfig()]) if has_draft and drafting.uses_draft else []
+    drafted = max((t.num_draft_tokens for t in trees), default=1)
+    return drafted + (MAX_CONTEXT_NODES if drafting.uses_context else 0)
 
 
 class Scheduler:
     def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
-                 max_running: int = 8, max_len: int = 2048, max_queue: int = 256, eos_ids: Optional[set] = None):
+                 max_running: int = 8, max_len: int = 2048, max_queue: int = 256, eos_ids: Optional[set] = None,
+                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None):
+        self.drafting = drafting = drafting or Drafting()
+        draft = draft if drafting.uses_draft else None               # `suffix`: the draft model is not used
         self.target, self.draft, self.tokenizer = target, draft, target.tokenizer
         self.spec = (spec or SpecConfig()) if draft is not None else None
         self.profile = profile if draft is not None else None
+        self.tree_slots = tree_slots(self.spec, self.profile, drafting, draft is not None)
         trees = self.profile.trees() if self.profile else [self.spec] if self.spec else []
-        self.tree_slots = max((t.num_draft_tokens for t in trees), default=1)      # target slots a verify writes
         draft_slots = max((t.num_steps * t.topk for t in trees), default=0)         # draft slots a tree writes
         self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots)
+        self.context = ContextDrafter(drafting.context_tokens, drafting.context_branches, drafting.min_match,
+                                      drafting.pool_tokens) if drafting.uses_context else None
+        self.planner = None
+        if drafting.tree == "auto" and (draft is not None or self.context is not None):
+            costs = costs or load_or_measure_costs(target, max_running, drafting.max_nodes)
+            self.planner = TreePlanner(costs, drafting.max_nodes, draft is not None)
         self.max_running, self.max_len, self.max_queue = max_running, max_len, max_queue
         self.context_len = int(getattr(target.hf_config, "max_position_embeddings", 0) or 0) or None
         self.eos_ids = eos_ids if eos_ids is not None else set()
@@ -166,11 +191,17 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------------
     def spec_for(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
-        """The step's tree: the profile's for this many running requests (its sampled table when one of them
-        samples, its long-context table when the longest holds `context` tokens or more), else the fixed tree."""
+        """The step's draft tree: the profile's for this many running requests (its sampled table when one of them
+        samples, its long-context table when the longest holds `context` tokens or more), else the fixed tree;
+        None: the draft does not run (no draft, or vanilla decoding measured faster). With the per-step tree
+        (`auto`) the shape's depth and branching stay and its size is the most a step may verify."""
         if self.draft is None:
             return None
-        return self.profile.for_batch_size(batch_size, sampled, context) if self.profile else self.spec
+        spec = self.profile.for_batch_size(batch_size, sampled, context) if self.profile else self.spec
+        if spec is None or self.planner is None:
+            return spec
+        most = 1 + spec.topk + (spec.num_steps - 1) * spec.topk * spec.topk
+        return SpecConfig(spec.num_steps, spec.topk, min(self.drafting.max_nodes, most))
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""
@@ -182,14 +213,28 @@ class Scheduler:
         active = [r for r in self.running if not r.finished]
         if active:
             context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
+            greedy = [r.params.greedy for r in active]
+            keys = [r.rid for r in active]
+            proposals = self.context.proposals(keys, greedy) if self.context is not None else None
             res = self.worker.step([r.row for r in active], [r.params for r in active],
                                    [r.generator for r in active],
-                                   self.spec_for(len(active), any(not r.params.greedy for r in active), context))
-            self.stats.steps += 1
-            self.stats.times.add(res.times)
+                                   self.spec_for(len(active), not all(greedy), context), proposals, self.planner,
+                                   context)
+            if self.context is not None and res.tree_tokens is not None:
+                self.context.observe(keys, greedy, res.emitted, res.tree_tokens, res.tree_parents)
+            self._count(res)
             for i, (req, tokens) in enumerate(zip(active, res.emitted)):
+                req.context_tokens += res.context_accepted[i] if res.context_accepted else 0
                 self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
         self._release()
+
+    def _count(self, res) -> None:
+        st = self.stats
+        st.steps += 1
+        st.times.add(res.times)
+        st.drafted_steps += int(res.drafted)
+        st.tree_nodes += res.nodes
+        st.context_tokens += sum(res.context_accepted)
 
     def _admit(self) -> None:
         while self.free_rows:
@@ -203,6 +248,8 @@ class Scheduler:
                 continue
             req.row = self.free_rows.pop()
             self.running.append(req)
+            if self.context is not None:
+                self.context.start(req.rid, req.prompt_ids)
             try:
                 first, dt, first_logprob = self.worker.prefill(req.row, req.prompt_ids, req.params, req.generator)
             except Exception as e:                # a request must never take the loop down
@@ -227,6 +274,8 @@ class Scheduler:
                 break
         before = len(req.output_ids)
         req.output_ids.extend(kept)
+        if self.context is not None:
+            self.context.append(req.rid, kept)
         if req.output_logprobs is not None and logprobs:
             req.output_logprobs.extend(logprobs[:len(kept)])
         req.accept_lengths.append(len(kept))
@@ -269,6 +318,8 @@ class Scheduler:
         self.running = still
 
     def _finish(self, req: Request) -> None:
+        if self.context is not None:
+            self.context.finish(req.rid)
         if req.row is not None:
             self.free_rows.append(req.row)
             req.row = None

@@ -15,12 +15,20 @@ SGLang launch), `make demo` and every benchmark call it, so they all run the sam
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, draft_profile_path, host_kind
+from sglang_eagle3.engine.speculation import (
+    DRAFTERS,
+    TREE_SIZING,
+    Drafting,
+    SpecConfig,
+    SpecProfile,
+    draft_profile_path,
+    host_kind,
+)
 from sglang_eagle3.errors import UserError
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.config import ConfigError
@@ -41,6 +49,7 @@ class Settings:
     profile: Optional[SpecProfile]      # per-batch-size trees the engine adapts with; None: `tree` is fixed
     source: str                         # where the tree came from (banners, JSON outputs)
     batch_size: int = 1
+    drafting: Drafting = field(default_factory=Drafting)   # drafter (eagle | suffix | hybrid), tree sizing
 
     @property
     def engine_tree(self) -> SpecConfig:
@@ -49,13 +58,19 @@ class Settings:
         measured = self.profile.measured_tree(self.batch_size) if self.profile is not None else None
         return self.tree or measured or SpecConfig()
 
+    @property
+    def speculates(self) -> bool:
+        return self.draft is not None or self.drafting.uses_context
+
     def describe(self) -> str:
+        d = self.drafting
+        how = f"drafter {d.drafter}" + (", tree sized each step" if d.tree == "auto" else "")
         if self.draft is None:
-            return "no speculation"
+            return f"{how} (no draft model)" if d.uses_context else "no speculation"
         t = self.tree
         shape = f"tree num_steps={t.num_steps} topk={t.topk} num_draft_tokens={t.num_draft_tokens}" if t else \
             "no speculation at this batch size"
-        return f"{shape} ({self.source})"
+        return f"{how}, {shape} ({self.source})"
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -82,17 +97,44 @@ def default_draft(draft: Optional[str], embedded_target: bool) -> Optional[str]:
 def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dtype: str = "auto",
                      num_steps: Optional[int] = None, topk: Optional[int] = None,
                      num_draft_tokens: Optional[int] = None, profile: Optional[str] = None, batch_size: int = 1,
-                     temperature: float = 0.0, device: str = "cpu") -> Settings:
+                     temperature: float = 0.0, device: str = "cpu", drafter: Optional[str] = None,
+                     tree: Optional[str] = None) -> Settings:
     """The one place that decides what a run decodes with (see the module docstring for the rules)."""
+    settings = _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_tokens, profile, batch_size,
+                             temperature, device, drafter)
+    settings.drafting = resolve_drafting(settings, drafter, tree, device)
+    if settings.drafting.drafter == "suffix":
+        settings.draft = None                           # context proposals only: the draft model is not loaded
+    return settings
+
+
+def resolve_drafting(settings: Settings, drafter: Optional[str], tree: Optional[str], device: str) -> Drafting:
+    """--drafter / --tree, else the profile's measured choice for this host (`drafting` in its table), else
+    eagle with the profile's fixed trees; without a draft model, `eagle` falls back to no speculation."""
+    chosen = dict(settings.profile.drafting) if settings.profile is not None and settings.profile.drafting else {}
+    if drafter is not None:
+        chosen["drafter"] = drafter
+    if tree is not None:
+        chosen["tree"] = tree
+    if chosen.get("drafter", "eagle") == "hybrid" and settings.draft is None:
+        chosen["drafter"] = "suffix"                    # no draft model: the context's proposals alone
+    try:
+        return Drafting(**chosen)
+    except (ConfigError, TypeError) as e:
+        raise UserError(str(e)) from None
+
+
+def _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_tokens, profile, batch_size,
+                  temperature, device, drafter) -> Settings:
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     for name, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens)):
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     dtype = resolve_dtype(dtype, device)
-    draft = default_draft(draft, embedded_target)
+    draft = default_draft(draft, embedded_target) if drafter != "suffix" else None
     if draft is None:
-        if profile:
+        if profile and drafter != "suffix":
             raise UserError(f"--profile {profile}: a speculation profile needs a draft (--draft)")
         return Settings(dtype, None, None, None, "no draft", batch_size)
     explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
@@ -159,6 +201,13 @@ def add_spec_args(p: argparse.ArgumentParser, profile: bool = True) -> None:
     g.add_argument("--num-steps", type=int, default=None, help="tree depth")
     g.add_argument("--topk", type=int, default=None, help="branching per step")
     g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens verified per step incl. the root")
+    g.add_argument("--drafter", choices=list(DRAFTERS), default=None,
+                   help="eagle: the draft model's tree; suffix: continuations of the context's earlier text (no draft "
+                        "model, any target); hybrid: both in one tree (default: the profile's choice for this host, "
+                        "else eagle)")
+    g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
+                   help="profile: the fixed tree per batch size; auto: each step the size that maximises expected "
+                        "tokens per second on this machine (costs measured once per machine, then cached)")
     if profile:
         g.add_argument("--profile", default=None,
                        help="speculation profile JSON (bench/tune_spec.py); default: the draft folder's "
@@ -184,4 +233,5 @@ def settings_from_args(args, draft: Optional[str], batch_size: int = 1) -> Setti
         dtype=getattr(args, "dtype", "auto") or "auto", num_steps=getattr(args, "num_steps", None),
         topk=getattr(args, "topk", None), num_draft_tokens=getattr(args, "num_draft_tokens", None),
         profile=getattr(args, "profile", None), batch_size=batch_size,
-        temperature=getattr(args, "temperature", 0.0) or 0.0, device=getattr(args, "device", None) or "cpu")
+        temperature=getattr(args, "temperature", 0.0) or 0.0, device=getattr(args, "device", None) or "cpu",
+        drafter=getattr(args, "drafter", None), tree=getattr(args, "tree", None))

@@ -25,8 +25,18 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import record_function
 
+from sglang_eagle3.engine.cost_model import TreePlanner
 from sglang_eagle3.engine.speculation import SpecConfig
-from sglang_eagle3.engine.tree import DraftTree, grow_tree, pool_attend, root_only_tree
+from sglang_eagle3.engine.tree import (
+    DraftTree,
+    add_proposals,
+    build_draft_tree,
+    draft_candidates,
+    pool_attend,
+    root_only_tree,
+    sorted_scores,
+    tree_of,
+)
 from sglang_eagle3.engine.verify import (
     Acceptance,
     NodeProbs,
@@ -48,6 +58,7 @@ from sglang_eagle3.models.kvcache import KVPool, prefill_attention, tree_new_mas
 from sglang_eagle3.models.target import PREFILL_T
 
 PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
+MAX_CONTEXT_NODES = 16  # context-proposed nodes a fixed-size tree takes beside the draft's
 
 
 @dataclass
@@ -67,6 +78,11 @@ class StepResult:
     emitted: list[list[int]]            # tokens per row, in order (accepted draft tokens, then the bonus token)
     times: StepTimes = field(default_factory=StepTimes)
     logprobs: list[Optional[list[TokenLogprob]]] = field(default_factory=list)   # per row, rows that asked for them
+    nodes: int = 1                      # tokens per row the verify ran (tree size, the root included)
+    drafted: bool = False               # the draft ran this step
+    context_accepted: list[int] = field(default_factory=list)   # per row: accepted tokens the context alone proposed
+    tree_tokens: Optional[list[list[int]]] = None    # the tree (with proposals): node tokens per row
+    tree_parents: Optional[list[list[int]]] = None   # and node parents
 
 
 class SpecWorker:
@@ -131,25 +147,24 @@ class SpecWorker:
     # ---- one decoding step -------------------------------------------------------------------
     @torch.no_grad()
     def step(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
-             spec: Optional[SpecConfig]) -> StepResult:
-        """One draft -> verify -> accept -> commit -> extend step for these rows. spec None: no speculation."""
-        times = StepTimes()
+             spec: Optional[SpecConfig], proposals: Optional[list[list[tuple]]] = None,
+             planner: Optional[TreePlanner] = None, context: int = 0) -> StepResult:
+        """One draft -> verify -> accept -> commit -> extend step for these rows. spec None: the draft does not run.
+        proposals[b]: row b's chains from the context, (tokens, cumulative log chances), merged into its tree;
+        planner: decides per step whether to draft and how many nodes to verify (else spec.num_draft_tokens nodes
+        plus the context's); context: the longest row's tokens (what a verify's attention reads)."""
         t0 = time.perf_counter()
         r = torch.tensor(rows, device=self.target.device)
-        roots, root_pos = self.roots[r], self.root_pos[r]
-        if self.draft is not None and spec is not None:
-            with record_function("eagle3::draft_extend"):
-                self._catch_up(rows)
-            with record_function("eagle3::draft_tree"):
-                tree = grow_tree(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots, root_pos, spec)
-        else:
-            tree = root_only_tree(roots, root_pos)
+        root_pos = self.root_pos[r]
+        tree, from_context, drafted = self._tree(rows, r, spec, proposals, planner, context)
         t1 = time.perf_counter()
         with record_function("eagle3::verify_forward"):
             tv = self.graphs.forward(r, tree.tokens, tree.positions, tree.mask) if self.graphs is not None else None
             if tv is None:
                 tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
                                  want_aux=self.draft is not None)
+        if planner is not None and self.target.device.type == "cpu":
+            planner.observe_verify(len(rows), tree.num_nodes, context, time.perf_counter() - t1)
         with record_function("eagle3::accept"):
             acc = accept(tree, tv.logits, params, generators)
             counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync
@@ -166,8 +181,54 @@ class SpecWorker:
         if self.draft is not None:
             with record_function("eagle3::draft_hold"):
                 self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
-        times.draft, times.verify = (t1 - t0) + (time.perf_counter() - t2), t2 - t1
-        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times, logprobs)
+        times = StepTimes(draft=(t1 - t0) + (time.perf_counter() - t2), verify=t2 - t1)
+        context_accepted = [0] * len(rows)
+        if from_context is not None:
+            on_path = torch.gather(from_context, 1, path)[:, 1:].tolist()              # accepted draft nodes
+            context_accepted = [sum(f[:n - 1]) for f, n in zip(on_path, counts)]
+        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times, logprobs, tree.num_nodes, drafted,
+                          context_accepted, tree.tokens.tolist() if proposals else None,
+                          tree.parents.tolist() if proposals else None)
+
+    def _tree(self, rows: list[int], r: torch.Tensor, spec: Optional[SpecConfig], proposals, planner,
+              context: int) -> tuple[DraftTree, Optional[torch.Tensor], bool]:
+        """This step's tree, whether the context alone proposed each node ([B, N] bool, or None) and whether the
+        draft ran."""
+        roots, root_pos = self.roots[r], self.root_pos[r]
+        dev, B = r.device, len(rows)
+        has_proposals = bool(proposals) and any(proposals)
+        if spec is None and not has_proposals:
+            return root_only_tree(roots, root_pos), None, False
+        alone = add_proposals(None, proposals, dev) if has_proposals else None
+        drafted = self.draft is not None and spec is not None and (planner is None or planner.wants_draft(
+            sorted_scores(alone) if alone is not None else None, B, context))
+        t0 = time.perf_counter()
+        if drafted:
+            with record_function("eagle3::draft_extend"):
+                self._catch_up(rows)
+            with record_function("eagle3::draft_tree"):
+                cands = draft_candidates(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots,
+                                         root_pos, spec)
+                cands = add_proposals(cands, proposals, dev) if has_proposals else cands
+        else:
+            cands = alone
+        if cands is None:
+            return root_only_tree(roots, root_pos), None, False
+        room = 1 + min(cands.finite())
+        if planner is not None:
+            draft_s = time.perf_counter() - t0 if drafted else 0.0
+            size, rate = planner.size(sorted_scores(cands), B, context, draft_s)
+            if drafted:
+                planner.observe_draft(B, draft_s, rate)
+        else:                                   # the fixed tree's nodes, plus the context's own
+            extra = int(cands.from_context.logical_and(torch.isfinite(cands.scores)).sum(1).max())
+            size = min(room, (spec.num_draft_tokens if drafted else 1) + min(extra, MAX_CONTEXT_NODES))
+        if size <= 1:
+            return root_only_tree(roots, root_pos), None, drafted
+        if not has_proposals:                   # the draft's nodes alone: nothing to tell apart
+            return build_draft_tree(cands.tokens, cands.scores, cands.parents, roots, root_pos, size), None, drafted
+        tree, from_context = tree_of(cands, roots, root_pos, size)
+        return tree, from_context, drafted
 
     def _hold(self, rows: list[int], emitted, aux, tree_positions, path, counts: list[int]) -> None:
         """Queue this step's pairs for the draft: per row b the accepted path[b, :counts[b]] of the verified tree,

@@ -72,7 +72,8 @@ class SpecProfile:
 
     def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
                  fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None,
-                 host: Optional[str] = None, long_context: Optional[tuple[int, "SpecProfile"]] = None):
+                 host: Optional[str] = None, long_context: Optional[tuple[int, "SpecProfile"]] = None,
+                 drafting: Optional[dict] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
@@ -80,6 +81,7 @@ class SpecProfile:
         self.sampled = sampled                # the table for steps with a sampling request, or None
         self.host = host                      # the by_host entry these tables came from (None: the profile's own)
         self.long_context = long_context      # (min_tokens, the table for steps at that context or more), or None
+        self.drafting = dict(drafting or {})  # the drafter and tree sizing measured best here (Drafting's fields)
 
     @classmethod
     def load(cls, path: str, host: Optional[str] = None) -> "SpecProfile":
@@ -95,6 +97,7 @@ class SpecProfile:
         table = prof.get("per_batch_size") if isinstance(prof, dict) else None
         sampled = prof.get("sampled") if isinstance(prof, dict) else None
         long_context = prof.get("long_context") if isinstance(prof, dict) else None
+        drafting = prof.get("drafting") if isinstance(prof, dict) else None
         by_host = prof.get("by_host") if isinstance(prof, dict) else None
         source, kind = path, None
         if by_host is not None:
@@ -105,6 +108,7 @@ class SpecProfile:
                 entry = by_host[kind]
                 table, sampled, source = entry.get("per_batch_size"), entry.get("sampled", sampled), f"{path} [{kind}]"
                 long_context = entry.get("long_context")   # measured on another kind of host: not for this one
+                drafting = entry.get("drafting")
             else:
                 kind = None
         if sampled is not None:
@@ -113,6 +117,12 @@ class SpecProfile:
             sampled = cls._from_table(sampled.get("per_batch_size"), f"{source} (sampled)")
         profile = cls._from_table(table, source, sampled)
         profile.host = kind
+        if drafting is not None:
+            if not isinstance(drafting, dict) or set(drafting) - {"drafter", "tree", "max_nodes", "context_tokens",
+                                                                  "context_branches", "min_match"}:
+                raise ConfigError(f"{source}: 'drafting' must be an object with drafter / tree / max_nodes / "
+                                  "context_tokens / context_branches / min_match")
+            profile.drafting = drafting
         if long_context is not None:
             min_tokens = long_context.get("min_tokens") if isinstance(long_context, dict) else None
             if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
@@ -179,3 +189,43 @@ class SpecProfile:
         """Every tree a step may run (what the KV pools must have room for)."""
         return [t for t in self.table.values() if t is not None] + (self.sampled.trees() if self.sampled else []) \
             + (self.long_context[1].trees() if self.long_context else [])
+
+
+DRAFTERS = ("eagle", "suffix", "hybrid")
+TREE_SIZING = ("profile", "auto")
+
+
+@dataclass
+class Drafting:
+    """Where a step's tree comes from and how big it is.
+
+    drafter: `eagle` (the draft model's EAGLE-2 tree), `suffix` (continuations of the context's earlier text, no draft
+    model: any target), `hybrid` (both, merged into one tree). tree: `profile` (the fixed shape per batch size, plus
+    the context's nodes) or `auto` (each step, the size that maximises expected tokens per second on this machine,
+    drafting only when it pays: engine/cost_model.py)."""
+    drafter: str = "eagle"
+    tree: str = "profile"
+    max_nodes: int = 16              # auto: the largest tree a step may verify
+    context_tokens: int = 8          # the longest chain a context proposal adds
+    context_branches: int = 2        # distinct continuations proposed per step (where earlier text disagrees)
+    min_match: int = 2               # shortest suffix match that proposes
+    pool_tokens: int = 0             # tokens of recent requests searched too (the server; 0: none)
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"--drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if self.tree not in TREE_SIZING:
+            raise ConfigError(f"--tree {self.tree!r}: choose one of {', '.join(TREE_SIZING)}")
+        for name in ("max_nodes", "context_tokens", "context_branches", "min_match"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.pool_tokens < 0:
+            raise ConfigError(f"--pool-tokens must be >= 0, got {self.pool_tokens}")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.drafter in ("eagle", "hybrid")
+
+    @property
+    def uses_context(self) -> bool:
+        return self.drafter in ("suffix", "hybrid")

@@ -13,7 +13,9 @@ operations (on CPU the selection and layout are one call of csrc/tree_ops.cpp, w
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -101,14 +103,36 @@ def levels_needed(cand_scores: list[torch.Tensor], frontier_scores: torch.Tensor
     return bool((ahead < num_draft_tokens - 1).any())
 
 
+@dataclass
+class Candidates:
+    """Nodes a tree may take, per row, in creation order (a parent before its children)."""
+    tokens: torch.Tensor        # [B, C] target token ids
+    scores: torch.Tensor        # [B, C] log chance of acceptance (the draft's cumulative log-prob)
+    parents: torch.Tensor       # [B, C] candidate index of the parent, -1 = the root
+    from_context: torch.Tensor  # [B, C] bool: proposed by the context alone (not by the draft)
+
+    def finite(self) -> list[int]:
+        """Real candidates per row (the rest is padding at -inf)."""
+        return torch.isfinite(self.scores).sum(1).tolist()
+
+
 @torch.no_grad()
 def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens, root_positions,
               spec: SpecConfig, prune: bool = True) -> DraftTree:
-    """Draft a tree for each row.
+    """Draft a tree of spec.num_draft_tokens nodes for each row (draft_candidates, then the best of them)."""
+    c = draft_candidates(draft, pool, rows, first_hidden, first_logits, root_tokens, root_positions, spec, prune)
+    return build_draft_tree(c.tokens, c.scores, c.parents, root_tokens, root_positions, spec.num_draft_tokens)
+
+
+@torch.no_grad()
+def draft_candidates(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens,
+                     root_positions, spec: SpecConfig, prune: bool = True) -> Candidates:
+    """EAGLE-2's candidates for each row: the topk children of the spec.topk best frontier nodes, level by level.
 
     draft: Eagle3DraftModel. pool: its KV pool; rows [B] committed up to the root's position (exclusive).
     first_hidden [B, H]: draft output at the root's previous position; first_logits [B, draft_vocab]: its logits.
-    root_tokens, root_positions [B]. prune (CPU): skip the levels that cannot change the tree (levels_needed).
+    root_tokens, root_positions [B]. prune (CPU): skip the levels that cannot change a tree of
+    spec.num_draft_tokens nodes (levels_needed).
     """
     B, k = root_tokens.shape[0], spec.topk
     device = root_tokens.device
@@ -152,5 +176,66 @@ def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logit
         hidden = draft.next_hidden(out)[batch, parent]                         # what the children read
         fwd_parent = f0 + parent
         offset += k * k
-    return build_draft_tree(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
-                            root_tokens, root_positions, spec.num_draft_tokens)
+    tokens = torch.cat(cand_tokens, 1)
+    return Candidates(tokens, torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
+                      torch.zeros_like(tokens, dtype=torch.bool))
+
+
+def add_proposals(cands: Optional[Candidates], proposals: list[list[tuple[list[int], list[float]]]],
+                  device) -> Candidates:
+    """Merge chains proposed by the context into the draft's candidates (or make candidates of them alone).
+
+    proposals[b]: row b's chains, each (tokens after the root, the cumulative log chance of each). A chain follows
+    the candidates that already hold its tokens (raising their scores to the chain's where it is higher: scores
+    still fall from parent to child, so any top-N set stays closed under ancestors) and adds the rest as new
+    candidates; siblings stay distinct. Rows are padded to one width with candidates at -inf."""
+    B = len(proposals)
+    if cands is None:
+        rows = [([], [], [], []) for _ in range(B)]
+    else:
+        rows = list(zip(cands.tokens.tolist(), cands.scores.tolist(), cands.parents.tolist(),
+                        cands.from_context.tolist()))
+    merged = []
+    for (tokens, scores, parents, context), chains in zip(rows, proposals):
+        tokens, scores, parents, context = list(tokens), list(scores), list(parents), list(context)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if math.isfinite(scores[i])}
+        for chain, chances in chains:
+            at = -1
+            for token, score in zip(chain, chances):
+                i = child.get((at, token))
+                if i is None:
+                    i = child[(at, token)] = len(tokens)
+                    tokens.append(token)
+                    scores.append(score)
+                    parents.append(at)
+                    context.append(True)
+                else:
+                    scores[i] = max(scores[i], score)
+                at = i
+        merged.append((tokens, scores, parents, context))
+    width = max(1, max(len(m[0]) for m in merged))
+    pad = [(t + [0] * (width - len(t)), s + [-math.inf] * (width - len(s)), p + [-1] * (width - len(p)),
+            c + [True] * (width - len(c))) for t, s, p, c in merged]
+    return Candidates(torch.tensor([r[0] for r in pad], dtype=torch.long, device=device),
+                      torch.tensor([r[1] for r in pad], dtype=torch.float32, device=device),
+                      torch.tensor([r[2] for r in pad], dtype=torch.long, device=device),
+                      torch.tensor([r[3] for r in pad], dtype=torch.bool, device=device))
+
+
+def sorted_scores(cands: Candidates) -> list[list[float]]:
+    """Each row's real candidates' scores, best first (the order a tree takes them in)."""
+    return [[x for x in row if math.isfinite(x)] for row in torch.sort(cands.scores, dim=1, descending=True)
+            .values.tolist()]
+
+
+def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int) -> tuple[DraftTree, torch.Tensor]:
+    """The tree of the num_nodes - 1 best candidates (num_nodes - 1 <= every row's real candidates) and, per node,
+    whether the context alone proposed it ([B, num_nodes] bool; the root: False)."""
+    n = num_nodes - 1
+    if n > min(cands.finite()):
+        raise ValueError(f"a tree of {num_nodes} nodes needs {n} candidates per row, a row has {min(cands.finite())}")
+    tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes)
+    order = torch.sort(cands.scores, dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = torch.sort(order, dim=1).values                                   # [B, n] in creation order
+    context = torch.gather(cands.from_context, 1, chosen)
+    return tree, torch.cat([torch.zeros_like(context[:, :1]), context], 1)

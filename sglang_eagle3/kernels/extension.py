@@ -91,6 +91,15 @@ def cpu_flags() -> str:
         return ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def kernel_isa() -> str:
     """The instruction set the extension is built for: EAGLE3_KERNEL_ISA (native | avx512f | avx2), default native."""
     isa = os.environ.get("EAGLE3_KERNEL_ISA", "native")

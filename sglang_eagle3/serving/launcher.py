@@ -37,7 +37,7 @@ from sglang_eagle3.engine.settings import (
     apply_compile_arg,
     settings_from_args,
 )
-from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.speculation import DRAFTERS, TREE_SIZING, SpecConfig
 from sglang_eagle3.errors import UserError
 
 DEFAULT_SPEC = SpecConfig()
@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           f"{DEFAULT_SPEC.topk})")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"tokens verified per step (default: profile, else {DEFAULT_SPEC.num_draft_tokens})")
+    g.add_argument("--drafter", choices=list(DRAFTERS), default=None,
+                   help="eagle: the draft model's tree; suffix: continuations of the context (no draft model); hybrid: "
+                        "both in one tree (default: the profile's choice for this host, else eagle)")
+    g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
+                   help="profile: the fixed tree per batch size; auto: sized each step by this machine's costs")
+    g.add_argument("--pool-tokens", type=int, default=1 << 20,
+                   help="suffix/hybrid: tokens of recent requests searched for continuations too (0: none)")
     p.add_argument("--attention-backend", default="flashinfer", help="SGLang attention backend (default flashinfer)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
                                                                        "graph (default: SGLang's, or --batch-size)")
@@ -104,6 +111,8 @@ def check_args(args) -> None:
                     ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):
         if v is not None and v < 1:
             raise UserError(f"{flag} must be >= 1, got {v}")
+    if args.pool_tokens < 0:
+        raise UserError(f"--pool-tokens must be >= 0, got {args.pool_tokens}")
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: a port is 1..65535")
 
@@ -218,6 +227,9 @@ def build_command(args, settings: Settings, extra: list[str], python: Optional[s
 
 def serve_sglang(args, extra: list[str]) -> int:
     check_passthrough(extra)
+    if args.drafter not in (None, "eagle") or args.tree == "auto":
+        raise UserError(f"--drafter {args.drafter} / --tree {args.tree}: context drafting and per-step trees run in "
+                        "the builtin engine (--engine builtin); SGLang drafts with its EAGLE-3 worker")
     embedded = getattr(args, "embedded_target", False) or args.target in (None, "testbed")
     settings = settings_from_args(args, args.draft, batch_size=args.batch_size or 1)
     if settings.draft is None and settings.source == "no draft" and args.draft != "none":
@@ -254,13 +266,14 @@ def serve_builtin(args, extra: list[str]) -> int:
     if not args.dry_run:
         check_port_free(args.host, args.port)
     settings = settings_from_args(args, args.draft, batch_size=1)
+    settings.drafting.pool_tokens = args.pool_tokens if settings.drafting.uses_context else 0
     if settings.draft is None and "chooses no speculation" in settings.source:
         print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
     target = resolve_target(args.target)
     if settings.draft and not args.skip_check:
         run_draft_check(target, settings.draft)
     state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)
-    how = (f"adaptive speculation from {settings.profile.source}" if settings.profile else settings.describe())
+    how = settings.describe() + (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
     print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0

@@ -355,7 +355,8 @@ def build_state(target: str, settings, max_running: int, max_queue: int, max_len
     tctx = int(getattr(engine.target.hf_config, "max_position_embeddings", 0) or 0) or 4096
     max_len = min(max_len or min(tctx, 4096), tctx)
     sched = Scheduler(engine.target, engine.draft, engine.spec, engine.profile, max_running=max_running,
-                      max_len=max_len, max_queue=max_queue, eos_ids=eos_ids_of(engine.target))
+                      max_len=max_len, max_queue=max_queue, eos_ids=eos_ids_of(engine.target),
+                      drafting=engine.drafting)
     sched.context_len = max_len
     name = model_name or os.path.basename(os.path.normpath(target))
     info = {"draft": os.path.abspath(settings.draft) if settings.draft else None, "dtype": settings.dtype,

@@ -1,0 +1,209 @@
+"""Drafts from the context (engine/suffix.py), hybrid trees (engine/tree.py add_proposals) and the per-step tree
+size (engine/cost_model.py): against brute force, and lossless in the engine."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from conftest import random_draft, tiny_target
+
+from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_tree_size
+from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig
+from sglang_eagle3.engine.suffix import ContextDrafter, MatchCalibration, SuffixIndex, SuffixPool
+from sglang_eagle3.engine.tree import Candidates, add_proposals, tree_of
+from sglang_eagle3.engine.verify import SamplingParams
+
+
+# ---- the index against brute force --------------------------------------------------------------------------
+def brute_longest(tokens: list[int], max_n: int, min_match: int = 1):
+    """(match length, the latest earlier end) of the longest suffix of `tokens` (up to max_n) seen before."""
+    L = len(tokens)
+    for n in range(min(max_n, L), min_match - 1, -1):
+        suffix = tokens[L - n:]
+        ends = [e for e in range(n, L) if tokens[e - n:e] == suffix]
+        if ends:
+            return n, max(ends)
+    return 0, None
+
+
+def extended(tokens: list[int], end: int, k: int) -> list[int]:
+    s = list(tokens)
+    for i in range(k):
+        s.append(s[end + i])
+    return s[len(tokens):]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_longest_match_and_its_continuation_equal_brute_force(seed):
+    rng = random.Random(seed)
+    alphabet = rng.randint(2, 6)
+    tokens = [rng.randrange(alphabet) for _ in range(rng.randint(20, 120))]
+    index = SuffixIndex(max_n=6, keep=10_000)
+    for L in range(1, len(tokens) + 1):
+        index.extend(tokens[L - 1:L])
+        n, end = brute_longest(tokens[:L], 6)
+        got = index.propose(8, max_branches=1)
+        if end is None:
+            assert got == []
+            continue
+        assert (got[0].match_len, got[0].tokens) == (n, extended(tokens[:L], end, 8)), L
+
+
+def test_branches_are_the_distinct_next_tokens_from_the_longest_matches_down():
+    #           0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 1, 2, 7, 9, 1, 2, 8, 3, 3, 1, 2]
+    index = SuffixIndex(tokens, max_n=4, keep=8)
+    got = index.propose(2, max_branches=3)
+    # "1 2" was followed by 8 (latest, ends at 7) and by 7 (ends at 3); "2" adds nothing new
+    assert [(p.tokens, p.match_len) for p in got] == [([8, 3], 2), ([7, 9], 2)]
+    assert index.propose(2, max_branches=3, min_match=3) == []
+
+
+def test_a_loop_at_the_end_continues_itself():
+    index = SuffixIndex([4, 1, 2, 3, 1, 2, 3, 1, 2], max_n=8)
+    (p,) = index.propose(7)
+    assert p.tokens == [3, 1, 2, 3, 1, 2, 3] and p.match_len == 5
+
+
+def test_keep_bounds_the_positions_per_ngram():
+    index = SuffixIndex([1] * 50, max_n=3, keep=2)
+    assert all(len(v) <= 2 for table in index.ends for v in table.values())
+
+
+def test_the_pool_finds_other_streams_and_forgets_the_oldest():
+    pool = SuffixPool(max_tokens=12, max_n=4)
+    pool.add("a", [1, 2, 3, 4, 5, 6])
+    pool.add("b", [7, 8, 9, 10])
+    got = pool.propose([0, 2, 3], 3)
+    assert (got.tokens, got.match_len) == ([4, 5, 6], 2)
+    pool.add("c", [11, 12, 13, 14, 15])                       # 15 tokens > 12: "a" goes
+    assert pool.propose([0, 2, 3], 3) is None and set(pool.streams) == {"b", "c"}
+    assert pool.propose([8, 9], 2).tokens == [10, 10]         # its end repeats (a loop of one)
+
+
+def test_calibration_learns_from_what_was_accepted():
+    cal = MatchCalibration(max_n=4)
+    before = cal.chance(2)
+    for _ in range(200):
+        cal.observe(2, 3, 3)                                   # every proposed token accepted
+    assert cal.chance(2) > 0.9 > before and cal.chance(4) > cal.PRIOR[4]
+    logs = cal.chain_log_chances(2, 3)
+    assert logs == sorted(logs, reverse=True) and all(x <= 0 for x in logs)
+
+
+# ---- hybrid trees -------------------------------------------------------------------------------------------
+def test_proposals_merge_into_the_drafts_candidates():
+    #                    root's children: 10, 11; 10's children: 12, 13
+    c = Candidates(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[-0.5, -1.0, -1.2, -3.0]]),
+                   torch.tensor([[-1, -1, 0, 0]]), torch.zeros(1, 4, dtype=torch.bool))
+    chain = ([10, 13, 20], [math.log(0.9), math.log(0.8), math.log(0.7)])
+    m = add_proposals(c, [[chain]], "cpu")
+    assert m.tokens.tolist() == [[10, 11, 12, 13, 20]] and m.parents.tolist() == [[-1, -1, 0, 0, 3]]
+    assert m.scores[0, 0] == pytest.approx(math.log(0.9)) and m.scores[0, 3] == pytest.approx(math.log(0.8))  # raised
+    assert m.from_context.tolist() == [[False, False, False, False, True]]
+    tree, ctx = tree_of(m, torch.tensor([1]), torch.tensor([7]), 4)          # the 3 best: 10, 13, 20
+    assert tree.tokens.tolist() == [[1, 10, 13, 20]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
+    assert ctx.tolist() == [[False, False, False, True]] and tree.positions.tolist() == [[7, 8, 9, 10]]
+    with pytest.raises(ValueError, match="needs 6 candidates per row"):
+        tree_of(m, torch.tensor([1]), torch.tensor([7]), 7)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merged_candidates_keep_trees_closed_under_ancestors_and_siblings_distinct(seed):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    B, k = 2, 3
+    tokens = [rng.sample(range(8), k) for _ in range(B)]                # the draft's: distinct siblings
+    scores = torch.sort(-torch.rand(B, k, generator=g) * 3, descending=True).values
+    cands = Candidates(torch.tensor(tokens), scores, torch.full((B, k), -1), torch.zeros(B, k, dtype=torch.bool))
+    props = []
+    for _ in range(B):
+        chains = []
+        for _ in range(rng.randint(0, 3)):
+            n = rng.randint(1, 5)
+            chains.append(([rng.randrange(8) for _ in range(n)], [math.log(0.9 ** (j + 1)) for j in range(n)]))
+        props.append(chains)
+    m = add_proposals(cands, props, "cpu")
+    for size in range(1, min(m.finite()) + 2):
+        tree, _ = tree_of(m, torch.tensor([0, 0]), torch.tensor([3, 4]), size)
+        for b in range(B):
+            par, tok = tree.parents[b].tolist(), tree.tokens[b].tolist()
+            assert all(0 <= par[i] < i for i in range(1, len(par)))
+            kids = {}
+            for i in range(1, len(par)):
+                kids.setdefault(par[i], []).append(tok[i])
+            assert all(len(v) == len(set(v)) for v in kids.values())
+
+
+# ---- the per-step size ---------------------------------------------------------------------------------------
+def flat_costs(step=0.01, per_token=0.001) -> StepCosts:
+    return StepCosts({1: {1: step, 32: step + 31 * per_token}, 8: {1: 8 * step, 32: 8 * (step + 31 * per_token)}},
+                     {1: 0.0})
+
+
+def test_the_size_maximises_expected_tokens_per_second():
+    costs = flat_costs()
+    sure = [[math.log(0.95)] * 10]
+    n, tokens, seconds = choose_tree_size(sure, costs, 1, 16)
+    assert n == 11 and tokens == pytest.approx(1 + 10 * 0.95)
+    assert choose_tree_size([[math.log(0.01)] * 10], costs, 1, 16)[0] == 1        # not worth a bigger verify
+    assert choose_tree_size([[]], costs, 1, 16)[0] == 1
+    assert choose_tree_size(sure, flat_costs(per_token=0.02), 1, 16)[0] == 1       # verifies too dear
+    assert choose_tree_size(sure, costs, 1, 4)[0] == 4                             # capped
+    # the draft's seconds count: a tree that barely pays without them loses with them
+    weak = [[math.log(0.3)] * 3]
+    assert choose_tree_size(weak, costs, 1, 16)[0] > 1
+    n, tokens, seconds = choose_tree_size(weak, costs, 1, 16, draft_s=0.02)
+    assert seconds == pytest.approx(0.02 + costs.verify_s(1, n))
+
+
+def test_the_planner_drafts_only_while_it_pays_and_learns_the_verify_costs():
+    planner = TreePlanner(flat_costs(), 16, has_draft=True)
+    assert planner.wants_draft(None, 1, 0)                        # its rate unknown yet
+    planner.observe_draft(1, 0.004, 500.0)
+    assert planner.wants_draft([[math.log(0.2)]], 1, 0)           # a weak proposal: the draft promises more
+    assert not planner.wants_draft([[0.0] * 12], 1, 0)            # a sure long proposal: no draft this step
+    assert not TreePlanner(flat_costs(), 16, has_draft=False).wants_draft(None, 1, 0)
+    for _ in range(30):
+        planner.observe_verify(1, 4, 0, 2 * flat_costs().verify_s(1, 4))
+    assert planner.verify_s(1, 4, 0) == pytest.approx(2 * flat_costs().verify_s(1, 4), rel=0.05)
+
+
+# ---- lossless in the engine ---------------------------------------------------------------------------------
+REPETITIVE = ["3 4 5 6 7 3 4 5 6 7 3 4 5", "9 8 9 8 9 8 9", "11 12 13 14 15 16 17 18 19 20 11 12 13"]
+
+
+@pytest.mark.parametrize("drafter,tree", [("suffix", "profile"), ("hybrid", "profile"), ("suffix", "auto"),
+                                          ("hybrid", "auto")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_output_equals_vanilla_with_context_proposals(drafter, tree, dtype):
+    tm, _ = tiny_target("llama", dtype=dtype, vocab_size=64, logit_scale=2.0)
+    draft = random_draft(tm, seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None).generate(REPETITIVE, params, batch_size=1)
+    eng = SpeculativeEngine(tm, draft, SpecConfig(2, 2, 4), drafting=Drafting(drafter, tree, max_nodes=12),
+                            costs=flat_costs(per_token=0.0002))
+    for bs in (1, 3):
+        outs, stats = eng.generate(REPETITIVE, params, batch_size=bs)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in van], (drafter, tree, bs)
+        assert stats.generated_tokens == sum(len(o.token_ids) for o in van)
+    assert stats.context_tokens > 0                       # the loops were proposed by the context and accepted
+    if drafter == "suffix":
+        assert stats.drafted_steps == 0
+
+
+def test_context_drafter_proposes_and_observes():
+    d = ContextDrafter(max_tokens=3, max_branches=1, min_match=2)
+    d.start("r", [1, 2, 3, 1, 2])
+    (chains,) = d.proposals(["r"], [True])
+    assert chains[0][0] == [3, 1, 2] and len(chains[0][1]) == 3
+    before2, before3 = d.calibration[True].chance(2), d.calibration[True].chance(3)
+    # the tree held the chain's first two tokens; the target accepted one, then emitted 9
+    d.observe(["r"], [True], [[3, 9]], [[2, 3, 1, 5]], [[-1, 0, 1, 0]])
+    assert d.calibration[True].chance(2) > before2 and d.calibration[True].chance(3) < before3
+    assert d.calibration[True].tries[3] > d.calibration[False].tries[3]                 # greedy and sampled apart
+    d.finish("r")
+    assert "r" not in d.streams
