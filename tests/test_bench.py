@@ -841,3 +841,49 @@ def test_fidelity_summary_bins_misses_by_the_reference_margin():
     assert s["misses"] == 2 and s["steps"] == 3 and s["first_miss"] == [0] and s["prompts_equal_to_reference"] == 0
     assert [b["misses"] for b in s["misses_by_margin"]] == [1, 1, 0, 0, 0]
     assert abs(s["max_margin_missed"] - 0.2) < 1e-6 and abs(s["margin_at_first_miss"][0] - 0.05) < 1e-6
+
+
+def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
+    """bench_acceptance --drafters: vanilla and every drafter decode each prompt (greedy: all equal vanilla), the
+    built sets come from the eval files, and the report has a column per drafter."""
+    from sglang_eagle3.bench.drafters import code_edit_prompts, parse_drafters
+    humaneval = os.path.join(env["data"], "eval", "humaneval.jsonl")
+    with open(humaneval, "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"turns": [f"Complete the code I provided.\ndef f{i}(x):\n"],
+                                "reference": ["    return x\n"]}) + "\n")
+    edits = code_edit_prompts(humaneval, 5)
+    assert len(edits) == 2 and "def f0(x):\n    return x" in edits[0][0] and edits[0][0] != edits[1][0]
+    out = tmp_path / "d.json"
+    columns = ["eagle", "suffix", "hybrid", "hybrid-auto"]
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}}))
+    assert acceptance(env, out, "--datasets", "mt_bench,mt_bench_turn2,code_edit", "--drafters",
+                      ",".join(columns), "--choose-into", str(profile)) == 0
+    res = json.loads(out.read_text())
+    from sglang_eagle3.engine.settings import resolve_settings
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    chosen = json.loads(profile.read_text())["by_host"][host_kind()]["drafting"]
+    best = max(columns, key=lambda c: res["average"][c]["speedup_median"])
+    assert (chosen["drafter"], chosen["tree"]) == (best.split("-")[0], "auto" if best.endswith("auto") else "profile")
+    assert "--drafters" in chosen["measured"]["command"] and chosen["measured"]["datasets"] == list(res["sets"])
+    assert SpecProfile.load(str(profile)).drafting == {"drafter": chosen["drafter"], "tree": chosen["tree"]}
+    settings = resolve_settings(env["draft"], profile=str(profile), dtype="float32")
+    assert settings.drafting.tree == chosen["tree"] and (settings.drafting.drafter, chosen["drafter"]) in \
+        (("eagle", "eagle"), ("hybrid", "hybrid"), ("suffix", "suffix"))
+    assert res["format"] == "sglang_eagle3.bench_drafters/1" and res["columns"] == columns
+    assert list(res["sets"]) == ["mt_bench", "mt_bench_turn2", "code_edit"]
+    for name, s in res["sets"].items():
+        assert s["n_prompts"] == 2
+        for c in ["vanilla", *columns]:
+            assert s[c]["identical_to_vanilla"] == 2 and s[c]["tokens"] == s["vanilla"]["tokens"] > 0
+            assert s[c]["tau"] >= 1 and 0 <= s[c]["context_share"] <= 1
+        assert s["suffix"]["drafted_steps"] == 0 and s["eagle"]["context_share"] == 0
+    md = (tmp_path / "d.md").read_text()
+    assert report.parse_markdown_table(md)[0][:5] == ["set", "eagle speed-up", "suffix speed-up", "hybrid speed-up",
+                                                      "hybrid-auto speed-up"]
+    assert (tmp_path / "d.png").read_bytes()[:8] == PNG_MAGIC
+    capsys.readouterr()
+    for bad in ("eagle,eagle", "medusa", "hybrid-fast"):
+        with pytest.raises(Exception, match="--drafters"):
+            parse_drafters(bad)

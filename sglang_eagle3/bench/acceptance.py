@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare drafters side by side instead (bench/drafters.py): comma list of eagle, suffix, "
                         "hybrid, each optionally -auto (the tree sized each step), e.g. "
                         "eagle,suffix,hybrid,hybrid-auto; --datasets may then also name mt_bench_turn2 and code_edit")
+    p.add_argument("--choose-into", default=None, metavar="PROFILE",
+                   help="with --drafters: record the column with the best average speed-up as this host kind's "
+                        "default drafter and tree in PROFILE (spec_profile.json: by_host[kind].drafting)")
     add_spec_args(p)
     add_compile_arg(p)
     return p
@@ -283,6 +286,7 @@ def run(argv=None) -> int:
 
         def settings_of(drafter: str, tree: str):
             return settings_from_args(argparse.Namespace(**{**vars(a), "drafter": drafter, "tree": tree}), draft, 1)
+        a.argv = list(sys.argv[1:] if argv is None else argv)
         return run_drafters(a, sets, resolve_target(a.target), draft, settings_of)
     settings = settings_from_args(a, draft, batch_size=1)      # batch 1: one prompt at a time
     spec, profile, source = settings.engine_tree, settings.profile, settings.source

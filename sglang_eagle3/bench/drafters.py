@@ -144,7 +144,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> str:
-    fig, ax = report.subplots(1, 1, figsize=(12, 4.5))
+    fig, (ax,) = report.subplots(1, 1, figsize=(12, 4.5))
     cols, sets = result["columns"], list(result["sets"])
     width = 0.8 / len(cols)
     for j, c in enumerate(cols):
@@ -180,11 +180,14 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: str, settings
     warm = [[{"role": "user", "content": "Hello"}]]
     for eng in engines.values():
         eng.generate(warm, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    data = {name: load_prompts(path, limit=a.n) for name, path in sets.items() if name not in BUILT_SETS}
-    if "code_edit" in sets:
-        data["code_edit"] = code_edit_prompts(sets["code_edit"], a.n)
-    if "mt_bench_turn2" in sets:
-        data["mt_bench_turn2"] = [t for t in load_prompts(sets["mt_bench_turn2"], limit=a.n) if len(t) > 1]
+    data = {}
+    for name, path in sets.items():                      # in --datasets' order
+        if name == "code_edit":
+            data[name] = code_edit_prompts(path, a.n)
+        elif name == "mt_bench_turn2":
+            data[name] = [t for t in load_prompts(path, limit=a.n) if len(t) > 1]
+        else:
+            data[name] = load_prompts(path, limit=a.n)
     config = {"target": target, "draft": os.path.abspath(base_draft), "drafters": a.drafters, "dtype": first.dtype,
               "temperature": a.temperature, "n": a.n, "max_new_tokens": a.max_new_tokens, "seed": a.seed}
     result = {"format": FORMAT, "config": config, "meta": report.run_metadata(),
@@ -211,7 +214,28 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: str, settings
         report.write_json_atomic(a.out, result)
     bar.close()
     report.write_outputs(a.out, result, markdown(result), plot, ".png")
+    if a.choose_into:
+        print(f"chosen into {a.choose_into}: {record_choice(a.choose_into, result, a.argv)}")
     return 0
+
+
+def record_choice(path: str, result: dict, argv: list[str]) -> str:
+    """PROFILE['by_host'][this host's kind]['drafting'] = the column with the best average speed-up of this run (the
+    drafter and tree sizing `generate` and `serve` then run by default on such a host), with what measured it."""
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
+    prof = report.read_json(path)
+    speedups = {c: result["average"][c]["speedup_median"] for c in result["columns"]}
+    best = max(speedups, key=lambda c: speedups[c] or 0.0)
+    drafter, _, tree = best.partition("-")
+    kind = host_kind("cpu")
+    entry = prof.setdefault("by_host", {}).setdefault(kind, {})
+    entry["drafting"] = {"drafter": drafter, "tree": tree or "profile",
+                         "measured": {"datasets": list(result["sets"]), "speedup_average": speedups,
+                                      "temperature": result["config"]["temperature"], "cpu": result["meta"].get("cpu"),
+                                      "command": "bench/bench_acceptance.py " + " ".join(argv)}}
+    report.write_json_atomic(path, prof)
+    return f"{kind}: {best} ({speedups[best]:.2f}x average)"
 
 
 def average(result: dict) -> dict:

@@ -224,8 +224,11 @@ class Scheduler:
                 self.context.observe(keys, greedy, res.emitted, res.tree_tokens, res.tree_parents)
             self._count(res)
             for i, (req, tokens) in enumerate(zip(active, res.emitted)):
-                req.context_tokens += res.context_accepted[i] if res.context_accepted else 0
-                self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
+                kept = self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
+                if res.context_accepted:                  # among the kept tokens but the last (the step's bonus)
+                    from_context = sum(res.context_accepted[i][:max(0, kept - 1)])
+                    req.context_tokens += from_context
+                    self.stats.context_tokens += from_context
         self._release()
 
     def _count(self, res) -> None:
@@ -234,7 +237,6 @@ class Scheduler:
         st.times.add(res.times)
         st.drafted_steps += int(res.drafted)
         st.tree_nodes += res.nodes
-        st.context_tokens += sum(res.context_accepted)
 
     def _admit(self) -> None:
         while self.free_rows:
@@ -259,7 +261,7 @@ class Scheduler:
             req.first_token_time = time.perf_counter()
             self._emit(req, [first], [first_logprob] if first_logprob else None)
 
-    def _emit(self, req: Request, tokens: list[int], logprobs: Optional[list[TokenLogprob]] = None) -> None:
+    def _emit(self, req: Request, tokens: list[int], logprobs: Optional[list[TokenLogprob]] = None) -> int:
         """Append tokens (and their log-prob entries) until EOS / max_new_tokens / a stop string; stream the text
         delta."""
         p = req.params
@@ -293,6 +295,7 @@ class Scheduler:
                 self._cut_at_stop(req, before)
         if delta and req.listener:
             req.listener(req, delta)
+        return len(req.output_ids) - before
 
     def _cut_at_stop(self, req: Request, before: int) -> None:
         """Keep the tokens up to the one that completed a stop string."""

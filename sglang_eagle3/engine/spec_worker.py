@@ -80,7 +80,8 @@ class StepResult:
     logprobs: list[Optional[list[TokenLogprob]]] = field(default_factory=list)   # per row, rows that asked for them
     nodes: int = 1                      # tokens per row the verify ran (tree size, the root included)
     drafted: bool = False               # the draft ran this step
-    context_accepted: list[int] = field(default_factory=list)   # per row: accepted tokens the context alone proposed
+    context_accepted: list[list[bool]] = field(default_factory=list)   # per row, its accepted draft nodes in order:
+                                                                       # proposed by the context alone
     tree_tokens: Optional[list[list[int]]] = None    # the tree (with proposals): node tokens per row
     tree_parents: Optional[list[list[int]]] = None   # and node parents
 
@@ -182,10 +183,10 @@ class SpecWorker:
             with record_function("eagle3::draft_hold"):
                 self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
         times = StepTimes(draft=(t1 - t0) + (time.perf_counter() - t2), verify=t2 - t1)
-        context_accepted = [0] * len(rows)
+        context_accepted = [[] for _ in rows]
         if from_context is not None:
             on_path = torch.gather(from_context, 1, path)[:, 1:].tolist()              # accepted draft nodes
-            context_accepted = [sum(f[:n - 1]) for f, n in zip(on_path, counts)]
+            context_accepted = [f[:n - 1] for f, n in zip(on_path, counts)]
         return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times, logprobs, tree.num_nodes, drafted,
                           context_accepted, tree.tokens.tolist() if proposals else None,
                           tree.parents.tolist() if proposals else None)

@@ -104,11 +104,11 @@ class SpecProfile:
             if not isinstance(by_host, dict) or not all(isinstance(v, dict) for v in by_host.values()):
                 raise ConfigError(f"{path}: 'by_host' must map a host kind to an object with its own 'per_batch_size'")
             kind = host or host_kind()
-            if kind in by_host:
-                entry = by_host[kind]
+            entry = by_host.get(kind) or {}
+            drafting = entry.get("drafting", drafting)     # the drafter measured best on this kind of host
+            if entry.get("per_batch_size") is not None:
                 table, sampled, source = entry.get("per_batch_size"), entry.get("sampled", sampled), f"{path} [{kind}]"
                 long_context = entry.get("long_context")   # measured on another kind of host: not for this one
-                drafting = entry.get("drafting")
             else:
                 kind = None
         if sampled is not None:
@@ -118,11 +118,11 @@ class SpecProfile:
         profile = cls._from_table(table, source, sampled)
         profile.host = kind
         if drafting is not None:
-            if not isinstance(drafting, dict) or set(drafting) - {"drafter", "tree", "max_nodes", "context_tokens",
-                                                                  "context_branches", "min_match"}:
+            fields = {"drafter", "tree", "max_nodes", "context_tokens", "context_branches", "min_match"}
+            if not isinstance(drafting, dict) or not set(drafting) & fields:
                 raise ConfigError(f"{source}: 'drafting' must be an object with drafter / tree / max_nodes / "
                                   "context_tokens / context_branches / min_match")
-            profile.drafting = drafting
+            profile.drafting = {k: v for k, v in drafting.items() if k in fields}    # (the rest: what measured it)
         if long_context is not None:
             min_tokens = long_context.get("min_tokens") if isinstance(long_context, dict) else None
             if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:

@@ -117,9 +117,11 @@ class SuffixPool:
 
 class MatchCalibration:
     """P(a context continuation's next token is accepted | its match length): a Beta posterior per match length
-    (1..max_n), updated from every step's outcome; the prior is what the eval sets measured."""
+    (1..max_n), updated from every step's outcome."""
 
-    PRIOR = {1: 0.25, 2: 0.4, 3: 0.5, 4: 0.58, 5: 0.64, 6: 0.68, 7: 0.72, 8: 0.76}
+    # SmolLM2-135M's greedy answers to 50 eval prompts (10 per set, 96 tokens): the share of positions where the
+    # longest earlier match of length m predicted the next token (1,238 / 502 / 293 / ... / 620 positions)
+    PRIOR = {1: 0.195, 2: 0.488, 3: 0.635, 4: 0.708, 5: 0.75, 6: 0.828, 7: 0.846, 8: 0.874}
     STRENGTH = 20.0                       # the prior counts as this many observations
 
     def __init__(self, max_n: int = 8):
