@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -401,3 +402,32 @@ def test_builtin_serve_uses_the_drafts_own_profile_when_the_draft_is_named(folde
     assert "tree num_steps=2" in capsys.readouterr().err
     assert eagle3_main([*common, "--draft", draft]) == 0                           # no profile: the fixed tree
     assert "tree num_steps=" in capsys.readouterr().err
+
+
+def test_hybrid_server_matches_vanilla_and_pools_recent_requests(folders):
+    """--drafter hybrid behind the server: greedy answers equal vanilla's, concurrent requests too; a finished
+    request's text joins the pool that later requests search."""
+    from sglang_eagle3.engine.speculation import Drafting
+    target, draft = folders
+    loop = "w3 w4 w5 w6 w3 w4 w5 w6 w3 w4"
+    prompts = [loop, *PROMPTS[:3]]
+    van = load_engine(target, "none", SPEC, "float32")
+    want = [van.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in
+            van.generate([[{"role": "user", "content": p}] for p in prompts],
+                         SamplingParams(max_new_tokens=12, ignore_eos=True), batch_size=1)[0]]
+    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", pool_tokens=4096))
+    srv = LiveServer(build_state(target, settings, max_running=4, max_queue=64, max_len=256, model_name="tiny"))
+    try:
+        def ask(p):
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        assert [ask(p) for p in prompts] == want
+        with ThreadPoolExecutor(4) as ex:
+            assert list(ex.map(ask, prompts)) == want
+        pool = srv.state.scheduler.context.pool
+        assert len(pool.streams) >= len(prompts) and pool.total <= 4096
+    finally:
+        srv.close()
