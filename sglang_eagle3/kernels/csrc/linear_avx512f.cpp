@@ -5,7 +5,9 @@
 // FMAs (an 8-token verify cost 2.46x a one-token step on a 2-core Xeon without BF16), while the 512-bit FMA units
 // sat idle. Widening bf16 to fp32 costs one shift (or one AND) per vector, so the products run at 16 lanes with
 // the summation order of the AVX2 kernel: each output lane is the same chain of fp32 FMAs over k, lane for lane, so
-// both kernels give the same bits (and a row's result does not depend on how many rows come with it).
+// both kernels give the same bits (and a row's result does not depend on how many rows come with it). Products of
+// up to 5 rows, bound by memory rather than FMAs, linear.cpp hands to the AVX2 loop over the same bytes (it streamed
+// the weights faster there); this kernel takes 6 rows and more: verifies, batches, prefill.
 //
 // Layout (pack_bf16(w, "avx512f") -> int32 [N/32, K/2, 2, 16]): output rows in groups of 32, two blocks of 16. For
 // group g, input pair p and block b, lane i holds W[32g + 16b + i, 2p] in its low and W[.., 2p + 1] in its high
