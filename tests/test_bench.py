@@ -629,7 +629,9 @@ def test_bench_step_alternates_runtimes_and_sizes_within_each_repeat(monkeypatch
 
     class FakeRuntimes:
         mode = {"a": "auto", "b": "auto"}
-        fused = type("T", (), {"weight_bytes": lambda self: 1_000_000})()
+        kernels = {"a": "avx512f", "b": "avx2"}
+        fused = type("T", (), {"weight_bytes": lambda self: 1_000_000,
+                               "forward_flops": lambda self, context, T: 1e9 * T})()
 
         def step_runtimes(self):
             return ["a", "b"]
@@ -638,11 +640,14 @@ def test_bench_step_alternates_runtimes_and_sizes_within_each_repeat(monkeypatch
             return name
     monkeypatch.setattr(D, "prepared_forward", fake_prepared)
     monkeypatch.setattr(D, "read_bandwidth_gbs", lambda: 10.0)
+    monkeypatch.setattr(D, "peak_matmul_gflops", lambda: 100.0)
     out = D.bench_step(FakeRuntimes(), 16, [8, 2], repeats=3)
     one_repeat = [("a", 1), ("a", 2), ("a", 8), ("b", 1), ("b", 2), ("b", 8)]
     assert calls == one_repeat * 5 and out["alternated"] and out["repeats"] == 3
     assert out["a"]["step_s"] == pytest.approx(0.010 * 9 / 8) and out["b"]["step_s"] == pytest.approx(0.020 * 9 / 8)
     assert out["a"]["verify_relative"]["8"] == pytest.approx(2 / (9 / 8))
+    assert out["a"]["verify_gflops"]["8"] == pytest.approx(8 / (0.010 * 2)) and out["peak_gflops"] == 100.0
+    assert out["a"]["few_row_kernel"] == "avx512f" and out["b"]["few_row_kernel"] == "avx2"
 
 
 def test_llamacpp_table_shows_each_rows_own_vanilla(tmp_path):
@@ -721,6 +726,9 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     kind = host_kind()
     assert after["per_batch_size"] == data["per_batch_size"]
     assert after["by_host"][kind]["per_batch_size"] == {"1": measured["per_batch_size"]["1"], "4": four}
+    entry = after["by_host"][kind]                     # what was measured, by name and command: no machine paths
+    assert entry["dataset"] == "gsm8k" and "grid" not in entry and str(tmp_path) not in json.dumps(entry)
+    assert entry["command"].startswith("python bench/tune_spec.py") and "--host-table-into prof.json" in entry["command"]
     assert SpecProfile.load(str(prof)).for_batch_size(8) == SpecConfig(1, 2, 2)
     here, other = SpecProfile.load(str(prof)), SpecProfile.load(str(prof), host="some-other-kind")
     assert here.host == kind and f"[{kind}]" in here.source and other.host is None
@@ -732,6 +740,7 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
                              "--host-table-into", str(prof)]) == 0
     after = json.loads(prof.read_text())
     assert after["by_host"][kind]["sampled"]["temperature"] == 1.0 and "per_batch_size" in after["by_host"][kind]
+    assert str(tmp_path) not in json.dumps(after["by_host"][kind])
     assert SpecProfile.load(str(prof)).sampled is not None
     data["by_host"] = ["not", "an", "object"]
     prof.write_text(json.dumps(data))

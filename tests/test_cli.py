@@ -387,8 +387,65 @@ def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
     assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32", "cuda") == "float32"
     monkeypatch.setattr(extension, "few_row_kernel", lambda: "avx2")
     assert host_kind() == "avx2" and host_kind("cuda") == "cuda"
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "flags : avx2 fma avx512f avx512bw avx512vl avx512_vnni")
+    monkeypatch.setattr(extension, "few_row_isa", lambda: "avx512f")     # Skylake-SP to Ice Lake: AVX-512F, no BF16
+    monkeypatch.setattr(extension, "few_row_kernel", lambda: "avx512f")
+    assert resolve_dtype("auto") == "bfloat16" and host_kind() == "avx512f"
     monkeypatch.setattr(extension, "few_row_kernel", lambda: None)   # no extension: fp32, no bf16 table
     assert host_kind() == "cpu"
     for flags in ("flags : avx2 avx512f avx512_bf16", "flags : avx512_bf16 amx_bf16 amx_tile"):
         monkeypatch.setattr(extension, "cpu_flags", lambda f=flags: f)
         assert resolve_dtype("auto") == "bfloat16"
+
+
+HOST_KIND_PROBE = """
+import json
+from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+from sglang_eagle3.kernels import extension
+from sglang_eagle3.paths import shipped_draft
+profile = SpecProfile.load(shipped_draft() + "/spec_profile.json")
+print(json.dumps({"kind": host_kind(), "cuda": host_kind("cuda"), "kernels": extension.few_row_kernels(),
+                  "isa": extension.few_row_isa(), "profile_host": profile.host}))
+"""
+
+
+def expected_host_kind(flags: set, isa: str, amx_on: bool, amx_usable: bool) -> str:
+    """What host_kind() must say for a build for `isa` on a CPU with these flags (AMX where usable and on)."""
+    if isa == "native" and amx_on and amx_usable:
+        return "amx"
+    if isa == "native" and "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if isa in ("native", "avx512f") and "avx512f" in flags:
+        return "avx512f"
+    return "avx2" if "avx2" in flags and "fma" in flags else "cpu"
+
+
+def test_host_kind_on_every_kind_the_profile_knows():
+    """Each kind of CPU the shipped speculation profile holds a table for (amx, avx512_bf16, avx512f, avx2) is
+    detected as that kind and gets its own table: on this host, the native build (AMX on and off) and the builds for
+    the lesser instruction sets a host without AMX or AVX-512 BF16 runs (EAGLE3_KERNEL_ISA), each in a fresh process;
+    without the extension the kind is 'cpu', on GPUs 'cuda'."""
+    import shutil
+
+    from sglang_eagle3.kernels import extension
+    from sglang_eagle3.paths import shipped_draft
+    if not (shutil.which("c++") or shutil.which("g++")) or extension.load() is None:
+        pytest.skip("no C++ extension on this machine")
+    with open(os.path.join(shipped_draft(), "spec_profile.json")) as f:
+        profile_kinds = set(json.load(f)["by_host"])
+    flags = set(extension.cpu_flags().split())
+    seen = set()
+    for isa, amx in (("native", "auto"), ("native", "off"), ("avx512f", "auto"), ("avx2", "auto"), ("off", "auto")):
+        env = {**os.environ, "EAGLE3_AMX": amx, "EAGLE3_KERNEL_ISA": "native" if isa == "off" else isa,
+               "EAGLE3_KERNELS": "off" if isa == "off" else "auto"}
+        env.pop("EAGLE3_FEW_ROW", None)
+        run = subprocess.run([sys.executable, "-c", HOST_KIND_PROBE], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        want = "cpu" if isa == "off" else expected_host_kind(flags, isa, amx == "auto", "amx" in got["kernels"])
+        assert got["kind"] == want and got["cuda"] == "cuda", (isa, amx, got)
+        assert got["profile_host"] == (want if want in profile_kinds else None), (isa, amx, got)
+        seen.add(want)
+    if {"amx_bf16", "avx512_bf16"} <= flags and "amx" in seen:     # an AMX host builds every kind the profile has
+        assert profile_kinds - {"cuda", "cpu"} <= seen, (profile_kinds, seen)

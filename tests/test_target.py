@@ -207,24 +207,36 @@ def test_static_attention_equals_the_kernel_and_the_reference(dtype, D):
         assert torch.equal(one[0].float(), outs[2][0][b])
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "avx512"])
-def test_packed_linear_paths_agree(amx):
-    """The few-row kernels (AMX tiles where the CPU has them, AVX-512 BF16 dot products), oneDNN's prepacked path
-    and F.linear give the same products (bf16), and a row's result does not depend on how many rows come with it
-    (decode vs verify), in blocks of 16 rows, with a remainder block and with K off the 32-wide slice grid."""
+FEW_ROW_KERNELS = ["amx", "avx512_bf16", "avx512f", "avx2"]
+PACKED_DIMS = {"amx": 6, "avx512_bf16": 5, "avx512f": 4, "avx2": 4}       # the layout says which kernel reads it
+
+
+def few_row_kernel_or_skip(kernel: str):
+    """The extension, where this build has the few-row kernel (an AMX host's native build has all four; an AVX-512F
+    build avx512f and avx2, so the new kernel's tests run on every AVX-512 host)."""
+    from sglang_eagle3.kernels import extension
+    if kernel not in extension.few_row_kernels():
+        pytest.skip(f"no {kernel} kernel in this build on this CPU (it has {extension.few_row_kernels()})")
+    return extension
+
+
+@pytest.mark.parametrize("kernel", FEW_ROW_KERNELS)
+def test_packed_linear_paths_agree(kernel):
+    """Each few-row kernel (AMX tiles, AVX-512 BF16 dot products, bf16 widened to fp32 on AVX-512F or AVX2),
+    oneDNN's prepacked path and F.linear give the same products (bf16), and a row's result does not depend on how
+    many rows come with it (decode vs verify), in blocks of 16 rows, with a remainder block and with K off the
+    32-wide slice grid."""
     import torch.nn.functional as F
 
     from sglang_eagle3.kernels import decode as K
-    from sglang_eagle3.kernels import extension
-    if amx and not extension.amx_usable():
-        pytest.skip("no AMX on this CPU (or the OS refuses tile data, or the build lacks it)")
+    extension = few_row_kernel_or_skip(kernel)
     torch.manual_seed(0)
-    with extension.using_amx(amx):
+    with extension.using_few_row(kernel):
         for N, Kd, bias in ((960, 576, True), (577, 575, False), (64, 1536, False), (8, 40, True)):
             w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
             b = torch.randn(N).to(torch.bfloat16) if bias else None
             lin = K.PackedLinear(w, b)
-            assert lin.small is None or lin.small.dim() == (6 if amx else 5)
+            assert lin.kernel == kernel and lin.small.dim() == PACKED_DIMS[kernel]
             for M in (1, 5, 16, 17, 40, 130):
                 x = torch.randn(M, Kd).to(torch.bfloat16)
                 ref = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -232,11 +244,29 @@ def test_packed_linear_paths_agree(amx):
                 assert (got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (N, Kd, M)
                 if M > 1 and M <= lin.small_m:
                     assert torch.equal(lin(x[:1]), lin(x)[:1]) and torch.equal(lin(x[-1:]), lin(x)[-1:])  # row-invariant
-            if lin.small is not None:           # every pass plan (AVX2: 6 rows as 4 + 2, 12 as 11 + 1, ...)
-                x = torch.randn(24, Kd).to(torch.bfloat16)
-                one = torch.cat([lin(x[i:i + 1]) for i in range(24)])
-                for M in range(2, 25):
-                    assert torch.equal(lin(x[:M]), one[:M]), (N, Kd, M)                           # row-invariant
+            # every pass plan (AVX-512: 16 rows as 8 + 8, 13 as 7 + 6; AVX2: 6 rows as 4 + 2, 12 as 11 + 1, ...)
+            x = torch.randn(24, Kd).to(torch.bfloat16)
+            one = torch.cat([lin(x[i:i + 1], any_rows=True) for i in range(24)])
+            for M in range(2, 25):
+                assert torch.equal(lin(x[:M], any_rows=True), one[:M]), (N, Kd, M)              # row-invariant
+
+
+def test_the_avx512f_and_avx2_kernels_give_the_same_bits():
+    """Both widening kernels sum each output over k in the same order (fp32 FMAs, k = 2p then 2p + 1), 16 and 8
+    lanes at a time: the same bits for every row count, so a host's choice between them changes speed only."""
+    from sglang_eagle3.kernels import decode as K
+    extension = few_row_kernel_or_skip("avx512f")
+    torch.manual_seed(2)
+    for N, Kd, bias in ((960, 576, True), (49, 1535, False), (1536, 576, False)):
+        w = (torch.randn(N, Kd) * 0.05).to(torch.bfloat16)
+        b = torch.randn(N).to(torch.bfloat16) if bias else None
+        lins = {}
+        for kernel in ("avx512f", "avx2"):
+            with extension.using_few_row(kernel):
+                lins[kernel] = K.PackedLinear(w, b)
+        for M in (1, 2, 3, 4, 7, 8, 12, 13, 16, 33):
+            x = torch.randn(M, Kd).to(torch.bfloat16)
+            assert torch.equal(lins["avx512f"](x, any_rows=True), lins["avx2"](x, any_rows=True)), (N, Kd, M)
 
 
 def test_amx_and_avx512_kernels_round_alike():
@@ -258,11 +288,16 @@ def test_amx_and_avx512_kernels_round_alike():
     assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7 + 1e-6).all()     # at most one bf16 ulp
 
 
-def test_fused_layer_step_equals_the_step_by_step_path():
+@pytest.mark.parametrize("kernel", ["default", "avx512f"])
+def test_fused_layer_step_equals_the_step_by_step_path(kernel):
     """bf16 decode and tree-verify forwards through csrc's layer_step (one C++ call per layer) give exactly the
-    logits, features and KV entries of the layer-by-layer path: the same kernels in the same order."""
+    logits, features and KV entries of the layer-by-layer path: the same kernels in the same order (the host's
+    few-row kernel, and the AVX-512F one)."""
     from sglang_eagle3.kernels import extension
-    tm, _ = tiny_target("llama", dtype=torch.bfloat16)
+    if kernel != "default":
+        few_row_kernel_or_skip(kernel)
+    with extension.using_few_row("auto" if kernel == "default" else kernel):
+        tm, _ = tiny_target("llama", dtype=torch.bfloat16)
     if not tm._fused_layers_apply(torch.zeros(1, 1, tm.hidden_size, dtype=torch.bfloat16), 1, None):
         pytest.skip("csrc's bf16 kernels are not available on this CPU")
     prompt, parents, tokens = [3, 1, 4, 1, 5, 9, 2], [-1, 0, 0, 1], [6, 20, 21, 30]
@@ -287,18 +322,23 @@ def test_fused_layer_step_equals_the_step_by_step_path():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kernel", ["default", "avx512f"])
 @pytest.mark.parametrize("fused", [True, False], ids=["layer_step", "layer_by_layer"])
-def test_a_rows_verify_does_not_depend_on_the_batch(fused):
+def test_a_rows_verify_does_not_depend_on_the_batch(fused, kernel):
     """bf16: a row's logits from a verify of 6 rows x 8 tree tokens (48 rows of every product, over the AVX-512
-    kernel's prefill boundary of 32) equal that row's verify alone, bit for bit, on both forward paths: what a
-    speculative step computes for a request does not depend on what else is batched with it, so greedy output
-    stays vanilla's at batch 8 with 8-token trees too."""
+    kernel's prefill boundary of 32) equal that row's verify alone, bit for bit, on both forward paths, with the
+    host's few-row kernel and with the AVX-512F one: what a speculative step computes for a request does not depend
+    on what else is batched with it, so greedy output stays vanilla's at batch 8 with 8-token trees too."""
     from sglang_eagle3.kernels import extension
+    if kernel != "default":
+        few_row_kernel_or_skip(kernel)
     # SmolLM2's widths: at the default hidden size of 64, oneDNN's sums happen to match the kernel's
-    tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
-                        head_dim=64)
+    with extension.using_few_row("auto" if kernel == "default" else kernel):
+        tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
+                            head_dim=64)
     if tm.layers[0].wqkv.small is None:
         pytest.skip("csrc's bf16 kernels are not available on this CPU")
+    assert kernel == "default" or tm.layers[0].wqkv.kernel == kernel
     torch.manual_seed(0)
     B, T, P = 6, 8, 9
     parents = [-1, 0, 0, 1, 2, 2, 5, 3]

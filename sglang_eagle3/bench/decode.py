@@ -49,8 +49,22 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
     return nbytes / best / 1e9
 
 
+def peak_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-N GFLOP/s of torch's fp32 n x n matmul on this machine's threads: the compute peak a kernel can be
+    measured against (oneDNN's fp32 GEMM on the widest FMA units the CPU has)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
 class Runtimes:
-    """transformers' model and our two runtimes (eager, fused) over the same weights."""
+    """transformers' model and our runtimes (eager, fused, and fused with another few-row kernel where the build has
+    one to compare: fused-amx / fused-avx512 on AMX CPUs, fused-avx2 where AVX-512F is the default) over the same
+    weights."""
 
     def __init__(self, target_path: str, dtype_name: str, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,13 +76,18 @@ class Runtimes:
         with extension.using("off"):
             self.eager = TargetModel(self.hf, tok)
         self.fused = TargetModel(self.hf, tok)
-        self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto", "fused-amx": "auto"}
-        self.fused_other, self.other_name = None, None   # on an AMX CPU: the few-row kernel fused does not use
+        self.mode = {"eager": "off", "fused": "auto", "fused-avx512": "auto", "fused-amx": "auto", "fused-avx2": "auto"}
+        self.fused_other, self.other_name = None, None   # the few-row kernel fused does not use, to compare
         if extension.amx_usable():
             amx = not extension.amx_active()
             with extension.using_amx(amx):
                 self.fused_other = TargetModel(self.hf, tok)
             self.other_name = "fused-amx" if amx else "fused-avx512"
+        elif extension.few_row_kernel() == "avx512f":   # a CPU with AVX-512F and no BF16: the AVX2 kernel beside it
+            with extension.using_few_row("avx2"):
+                self.fused_other = TargetModel(self.hf, tok)
+            self.other_name = "fused-avx2"
+        self.kernels = {name: self.target(name).layers[0].wqkv.kernel for name in self.step_runtimes()}   # or None
 
     def target(self, name: str) -> TargetModel:
         return {"eager": self.eager, "fused": self.fused, self.other_name: self.fused_other}[name]
@@ -162,8 +181,10 @@ def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) 
     tree_sizes = sorted({1, *tree_sizes})                         # costs are relative to one token
     bw = read_bandwidth_gbs()
     nbytes = rt.fused.weight_bytes()
+    flops = {T: rt.fused.forward_flops(context, T) for T in tree_sizes}
     out = {"read_bandwidth_gbs": bw, "weight_bytes": nbytes, "floor_s": nbytes / (bw * 1e9), "context": context,
-           "alternated": True, "repeats": repeats}
+           "peak_gflops": peak_matmul_gflops(), "peak_note": "torch fp32 2048 x 2048 matmul, best of 5",
+           "forward_flops": {str(T): f for T, f in flops.items()}, "alternated": True, "repeats": repeats}
     forwards = {}
     for name in rt.step_runtimes():
         with extension.using(rt.mode[name]):
@@ -179,9 +200,10 @@ def bench_step(rt: Runtimes, context: int, tree_sizes: list[int], repeats: int) 
     for name in forwards:
         cost = {T: statistics.median(ts) for T, ts in times[name].items()}
         out[name] = {"step_s": cost[1], "floor_over_step": out["floor_s"] / cost[1],
-                     "step_over_floor": cost[1] / out["floor_s"],
+                     "step_over_floor": cost[1] / out["floor_s"], "few_row_kernel": rt.kernels.get(name),
                      "verify_s": {str(T): c for T, c in cost.items()},
-                     "verify_relative": {str(T): c / cost[1] for T, c in cost.items()}}
+                     "verify_relative": {str(T): c / cost[1] for T, c in cost.items()},
+                     "verify_gflops": {str(T): flops[T] / c / 1e9 for T, c in cost.items()}}
     return out
 
 

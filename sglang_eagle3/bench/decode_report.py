@@ -4,7 +4,8 @@ from __future__ import annotations
 from sglang_eagle3.bench import decode as D
 from sglang_eagle3.bench.report import format_table, save_figure, subplots
 
-STEP_RUNTIMES = ("eager", "fused", "fused-avx512", "fused-amx")   # on AMX CPUs: the few-row kernel fused does not use
+# fused-avx512 / fused-amx on AMX CPUs, fused-avx2 on AVX-512F CPUs without BF16: the few-row kernel fused does not use
+STEP_RUNTIMES = ("eager", "fused", "fused-avx512", "fused-amx", "fused-avx2")
 
 
 def _ms(x):
@@ -16,7 +17,8 @@ def render(res, a) -> str:
     m = res["meta"]
     out.append(f"Target {m['target']}, {m['dtype']}, batch 1, {m['threads']} threads. eager = plain PyTorch "
                f"(--compile off); fused = prepacked oneDNN linears + C++ kernels (default); on CPUs with AMX, "
-               f"fused-avx512 / fused-amx = the same with the few-row kernel the default does not use.")
+               f"fused-avx512 / fused-amx (AMX CPUs), fused-avx2 (AVX-512F without BF16) = the same with the "
+               f"few-row kernel the default does not use.")
     if "extension" in res:
         e = res["extension"]
         out.append(f"C++ extension: {'built' if e['built'] else 'NOT built: ' + str(e['extension_error'])}"
@@ -53,6 +55,8 @@ def render(res, a) -> str:
         rows = [[n] + [f"{st[n]['verify_relative'][T]:.2f}" for T in sizes] for n in STEP_RUNTIMES if n in st]
         out += ["", "Verify forward over T tokens, cost relative to T = 1",
                 format_table(["runtime"] + [f"T={T}" for T in sizes], rows)]
+        if "peak_gflops" in st:
+            out += ["", _gflops_line(st)]
         checks.append(("decode step <= 2x its floor", st["fused"]["step_over_floor"] <= 2.0,
                        f"{st['fused']['step_over_floor']:.2f}x"))
         if "8" in st["fused"]["verify_relative"]:
@@ -104,6 +108,15 @@ def render(res, a) -> str:
         out += ["", "Targets", format_table(["target", "met", "measured"],
                                             [[n, "yes" if ok else "NO", v] for n, ok, v in checks])]
     return "\n".join(out)
+
+
+def _gflops_line(st) -> str:
+    """Achieved GFLOP/s of the widest verify measured (8 tokens where measured) per runtime, against the peak."""
+    T = "8" if "8" in st["fused"]["verify_gflops"] else list(st["fused"]["verify_gflops"])[-1]
+    per = ", ".join(f"{n} ({st[n].get('few_row_kernel') or 'PyTorch'}) {st[n]['verify_gflops'][T]:.0f}"
+                    for n in STEP_RUNTIMES if n in st and "verify_gflops" in st[n])
+    return (f"{T}-token verify ({st['forward_flops'][T] / 1e9:.2f} GFLOP), achieved GFLOP/s: {per}; this host's "
+            f"measured peak {st['peak_gflops']:.0f} GFLOP/s ({st.get('peak_note', 'fp32 matmul')})")
 
 
 def plot(res, path):

@@ -13,7 +13,8 @@ ways. So "output differs from transformers" alone cannot tell a broken kernel fr
   a free-running greedy decode of that path leaves the reference).
 
 Paths: "amx" (csrc's AMX tile kernel, where the CPU and OS allow it), "avx512" (csrc's AVX-512 BF16 kernel),
-"avx2" (csrc's AVX2 kernel, on CPUs without native bf16), "eager" (no csrc extension: PyTorch's bf16 F.linear),
+"avx512f" / "avx2" (csrc's kernels that widen bf16 to fp32 on 512-bit / 256-bit vectors: the same sums, so the same
+logits; where the build has them), "eager" (no csrc extension: PyTorch's bf16 F.linear),
 "transformers" (transformers' bf16 model with its own cache), "float32" (our runtime in fp32: should agree everywhere).
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 from sglang_eagle3.bench import report
 
 FORMAT = "sglang_eagle3.bench_fidelity/1"
-PATHS = ("amx", "avx512", "avx2", "eager", "transformers", "float32")
+PATHS = ("amx", "avx512", "avx512f", "avx2", "eager", "transformers", "float32")
+KERNEL_OF_PATH = {"amx": "amx", "avx512": "avx512_bf16", "avx512f": "avx512f", "avx2": "avx2"}   # csrc's few-row
 MARGIN_BINS = (0.0, 0.1, 0.25, 0.5, 1.0, float("inf"))      # fp32 top-1 minus top-2 logit
 
 
@@ -105,11 +107,12 @@ def summarize(per_prompt: list[dict]) -> dict:
 
 
 def available_paths() -> list[str]:
-    """The paths this machine can run (amx needs the CPU, the OS and a build with it; avx512 needs AVX-512 BF16)."""
+    """The paths this machine runs by default: AMX where usable, the build's default vector kernel (avx512 needs
+    AVX-512 BF16), eager, transformers, float32 (--paths may name any kernel the build has)."""
     from sglang_eagle3.kernels import extension
     out = ["amx"] if extension.amx_usable() else []
-    if extension.few_row_isa():
-        out.append("avx512" if extension.cpu_has_bf16() else "avx2")
+    default = extension.few_row_isa()
+    out += [path for path, kernel in KERNEL_OF_PATH.items() if kernel == default]
     return out + ["eager", "transformers", "float32"]
 
 
@@ -123,7 +126,7 @@ def path_logits(name: str, target_path: str) -> Callable[[torch.Tensor, list[int
         return lambda ids, ref: teacher_forced_hf(hf, ids, ref)
     dtype = torch.float32 if name == "float32" else torch.bfloat16
     mode = "off" if name == "eager" else "auto"
-    with extension.using(mode), extension.using_amx(name == "amx"):
+    with extension.using(mode), extension.using_few_row(KERNEL_OF_PATH.get(name, "auto")):
         target = TargetModel.from_pretrained(target_path, dtype=dtype)
 
     def run(ids, ref):

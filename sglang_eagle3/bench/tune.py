@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its table for sampling requests ('sampled'), which the engine and server then use")
     p.add_argument("--host-table-into", default=None, metavar="PROFILE",
                    help="also store this run's best trees in PROFILE as the table for this kind of host "
-                        "(by_host[amx|avx512_bf16|avx2|cpu]; with --temperature > 0 that host's sampled table), which "
-                        "the engine and server use on such hosts; the rest of PROFILE stays as it is")
+                        "(by_host[amx|avx512_bf16|avx512f|avx2|cpu]; with --temperature > 0 that host's sampled "
+                        "table), which the engine and server use on such hosts; the rest of PROFILE stays as it is")
     p.add_argument("--long-context", type=int, default=None, metavar="TOKENS",
                    help="with --host-table-into PROFILE, at --temperature 0: store this run's best trees as that "
                         "host's table for steps whose longest row holds at least TOKENS tokens (long_context), which "
@@ -213,20 +213,38 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
     return trees, prof.source
 
 
-def add_host_table(path: str, best: dict, setup: dict, grid_path: str, long_context: int | None = None) -> str:
+def portable_command(argv: list[str]) -> str:
+    """This run's command line without machine paths: a path inside the repository relative to it, another absolute
+    path as its file name (a profile ships with a draft: it records what was run, not where)."""
+    from sglang_eagle3.paths import REPO_ROOT
+
+    def portable(arg: str) -> str:
+        if not os.path.isabs(arg):
+            return arg
+        rel = os.path.relpath(arg, REPO_ROOT)
+        return rel if not rel.startswith("..") else os.path.basename(arg.rstrip(os.sep)) or arg
+    return " ".join(["python bench/tune_spec.py", *(portable(a) for a in argv)])
+
+
+def table_provenance(setup: dict, dataset_name: str, command: str) -> dict:
+    """What a table stored into a profile records about its measurement: the eval set's name, the tokens per
+    prompt, the dtype, the CPU and the command (no paths: the grid file and the data stay on the machine)."""
+    return {"dataset": dataset_name, "max_new_tokens": setup["max_new_tokens"], "cpu": report.run_metadata().get("cpu"),
+            **({"dtype": setup["dtype"]} if setup.get("dtype") else {}), "command": command}
+
+
+def add_host_table(path: str, best: dict, setup: dict, measured: dict, long_context: int | None = None) -> str:
     """PROFILE['by_host'][this host's kind] = this run's best trees (greedy: its per_batch_size; sampled: its
     'sampled' table, next to a greedy one measured first; long_context: its table for steps at that many tokens or
-    more, likewise). Batch sizes this run did not measure keep the tree this kind of host ran before (its by_host
-    table, else the profile's own), so re-tuning batch 1 alone leaves the others as they were. Returns the kind."""
+    more, likewise), with `measured` (table_provenance). Batch sizes this run did not measure keep the tree this kind
+    of host ran before (its by_host table, else the profile's own), so re-tuning batch 1 alone leaves the others as
+    they were. Returns the kind."""
     from sglang_eagle3.engine.speculation import SpecProfile, host_kind
     from sglang_eagle3.errors import UserError
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
     prof = report.read_json(path)
     kind = host_kind("cpu")
-    entry = dict(prof.get("by_host", {}).get(kind, {}))
-    measured = {"dataset": setup["dataset"], "max_new_tokens": setup["max_new_tokens"],
-                "grid": os.path.abspath(grid_path), "cpu": report.run_metadata().get("cpu"),
-                **({"dtype": setup["dtype"]} if setup.get("dtype") else {})}
+    entry = {k: v for k, v in prof.get("by_host", {}).get(kind, {}).items() if k != "grid"}   # an older run's path
     if long_context is not None:
         if "per_batch_size" not in entry:
             raise UserError(f"--host-table-into {path}: no table for host kind {kind!r} yet (tune it first, "
@@ -269,15 +287,14 @@ def _merged(before: dict, best: dict) -> dict:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
-def add_sampled_table(path: str, best: dict, setup: dict, grid_path: str) -> None:
-    """PROFILE['sampled'] = this (sampled) run's best trees; the rest of PROFILE stays as it is."""
+def add_sampled_table(path: str, best: dict, setup: dict, measured: dict) -> None:
+    """PROFILE['sampled'] = this (sampled) run's best trees, with `measured` (table_provenance); the rest of PROFILE
+    stays as it is."""
     from sglang_eagle3.engine.speculation import SpecProfile
     SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
     with open(path) as f:
         prof = json.load(f)
-    prof["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], "dataset": setup["dataset"],
-                       "max_new_tokens": setup["max_new_tokens"], "grid": os.path.abspath(grid_path),
-                       "per_batch_size": best}
+    prof["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], **measured, "per_batch_size": best}
     report.write_json_atomic(path, prof)
 
 
@@ -338,7 +355,7 @@ def run(argv=None) -> int:
         raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    (dataset,) = resolve_sets([a.dataset], a.data).values()
+    ((dataset_name, dataset),) = resolve_sets([a.dataset], a.data).items()
     prompts = [t[0] for t in load_prompts(dataset, limit=max(a.n, max(a.batch_sizes)))]
     if a.long_context is not None:
         check_long_prompts(resolve_target(a.target), prompts, a.long_context, a.dataset)
@@ -391,9 +408,10 @@ def run(argv=None) -> int:
                "launch_flags": launch_flags(best, os.path.abspath(adaptive_path), adaptive),
                "meta": report.run_metadata()}
     report.write_json_atomic(a.out, profile)
+    measured = table_provenance(setup, dataset_name, portable_command(sys.argv[1:] if argv is None else argv))
     if a.sampled_into is not None:
-        add_sampled_table(a.sampled_into, best, setup, grid_path)
-    host = add_host_table(a.host_table_into, best, setup, grid_path, a.long_context) \
+        add_sampled_table(a.sampled_into, best, setup, measured)
+    host = add_host_table(a.host_table_into, best, setup, measured, a.long_context) \
         if a.host_table_into is not None else None
     text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "

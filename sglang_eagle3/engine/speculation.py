@@ -44,10 +44,11 @@ PROFILE_FORMAT = "sglang_eagle3.spec_profile/1"
 
 def host_kind(device: str = "cpu") -> str:
     """The kind of machine a speculation profile's per-host tables ('by_host') are keyed by: 'cuda' on GPUs, else
-    the CPU's few-row bf16 kernel ('amx', 'avx512_bf16', 'avx512f' or 'avx2', extension.few_row_kernel()), else 'cpu'
-    (no C++
-    extension). The best tree follows from what a wider verify costs, and that differs by kind (AMX tiles verify
-    8 tokens for ~1.2x a 1-token step, the AVX2 kernel 3 tokens for ~1.5x)."""
+    the CPU's few-row bf16 kernel (extension.few_row_kernel(): 'amx' on Intel Xeons with AMX, 'avx512_bf16' with
+    AVX-512 BF16 only (Zen 4, Cooper Lake), 'avx512f' with AVX-512F and no BF16 (Skylake-SP, Cascade Lake, Ice Lake
+    Xeons), 'avx2' with AVX2 + FMA only (Zen 2/3)), else 'cpu' (no C++ extension). The best tree follows from what a
+    wider verify costs, and that differs by kind (AMX tiles verify 8 tokens for ~1.2x a 1-token step, the AVX2
+    kernel 3 tokens for ~1.5x)."""
     if str(device).startswith("cuda"):
         return "cuda"
     return extension.few_row_kernel() or "cpu"

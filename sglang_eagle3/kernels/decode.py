@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from sglang_eagle3.kernels.extension import amx_active, cpu_has_bf16, few_row_isa, load, mode
+from sglang_eagle3.kernels.extension import cpu_has_bf16, few_row_kernel, load, mode
 
 
 # ---- linear ----------------------------------------------------------------------------------------
@@ -35,55 +35,60 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 SMALL_M = 32       # rows up to which csrc's AVX-512 BF16 kernel beats oneDNN (more: prefill; steps pass any_rows)
-ALL_ROWS = 1 << 62  # AVX2 without native bf16: csrc's kernel serves every product (oneDNN's bf16 is emulated there)
+ALL_ROWS = 1 << 62  # no native bf16: csrc's widening kernel serves every product (oneDNN's bf16 is emulated there)
 SMALL_M_AMX = 128  # the same for its AMX tile kernel
-def small_m(packed: Optional[torch.Tensor] = None) -> int:
-    """Rows up to which the few-row kernel (of this packed weight; default: the one built now) serves a product."""
-    amx = packed.dim() == 6 if packed is not None else amx_active()
-    if amx:
+WIDENING = ("avx512f", "avx2")   # csrc's kernels that widen bf16 weights to fp32 in registers (no bf16 instructions)
+
+
+def small_m(kernel: Optional[str] = None) -> int:
+    """Rows up to which a few-row kernel (default: the one PackedLinears built now use) serves a product."""
+    kernel = kernel or few_row_kernel()
+    if kernel == "amx":
         return SMALL_M_AMX
-    return ALL_ROWS if few_row_isa() == "avx2" else SMALL_M
+    return ALL_ROWS if kernel in WIDENING and not cpu_has_bf16() else SMALL_M
 
 
 class PackedLinear:
-    """y = x @ W^T + b with W [N, K], decided when built (set_mode / using_amx before loading a model):
-    bf16 on a CPU with AMX (unless EAGLE3_AMX=off): up to SMALL_M_AMX rows, csrc's tile kernel (amx_linear.cpp: 16
-    rows cost what one does); with AVX-512 BF16 only: up to SMALL_M rows, csrc's dot-product kernel (45-70 GB/s at one
-    row on 2 cores, but bound by its dot products from ~4 rows on). Either way over weights packed for it, and a row's
-    result does not depend on how many rows come with it;
+    """y = x @ W^T + b with W [N, K], decided when built (set_mode / using_amx / using_few_row before loading a
+    model): bf16 on a CPU with AMX (unless EAGLE3_AMX=off): up to SMALL_M_AMX rows, csrc's tile kernel
+    (amx_linear.cpp: 16 rows cost what one does); with AVX-512 BF16 only: up to SMALL_M rows, csrc's dot-product
+    kernel (45-70 GB/s at one row on 2 cores, but bound by its dot products from ~4 rows on). Either way over
+    weights packed for it, and a row's result does not depend on how many rows come with it;
     more rows (prefill), oneDNN over its own prepacked copy (2x the weight memory, for the faster prefill).
     any_rows=True (the target's decode and verify forwards) keeps every row count on the few-row kernel: a
     verified token's logits then come from the sums a one-token step computes, however many rows a batch of trees
     has (oneDNN's sums for a row depend on the product's shape, which broke greedy equality at batch 8 with
     8-token trees).
-    bf16 on an AVX2 CPU without native bf16: csrc's kernel for every row count (bf16 weights widened in registers,
-    fp32 FMAs: decode reads half fp32's bytes; PyTorch's emulated bf16 products run 3-100x slower), no other copy.
+    bf16 on a CPU without native bf16: csrc's widening kernel for every row count (AVX-512F, else AVX2 + FMA: bf16
+    weights widened in registers, fp32 FMAs, the same sums in the same order: decode reads half fp32's bytes;
+    PyTorch's emulated bf16 products run 3-100x slower), no other copy.
     Otherwise F.linear on the weight itself."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: Optional[bool] = None):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
-        avx2 = (pack is None and mode() != "off" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and not cpu_has_bf16() and few_row_isa() == "avx2")
+        on_cpu_bf16 = mode() != "off" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.kernel = few_row_kernel() if on_cpu_bf16 and (pack is None or pack) else None
+        only_copy = pack is None and self.kernel in WIDENING and not cpu_has_bf16()   # the few-row kernel serves all
         if pack is None:
             pack = mode() != "off" and weight.device.type == "cpu" and packing_supported(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if pack else None
-        ext = load() if pack or avx2 else None
-        if ext is not None and amx_active():
-            self.small = ext.pack_amx(weight)
+        ext = load() if (pack or only_copy) and self.kernel else None
+        if ext is None:
+            self.kernel, self.small = None, None
         else:
-            self.small = ext.pack_bf16(weight) if ext is not None and few_row_isa() else None
-        self.small_m = small_m(self.small) if self.small is not None else 0
+            self.small = ext.pack_amx(weight) if self.kernel == "amx" else ext.pack_bf16(weight, self.kernel)
+        self.small_m = small_m(self.kernel) if self.small is not None else 0
         self.bias32 = None if self.bias is None else self.bias.float()
-        self.weight = None if pack or avx2 else weight  # no unpacked copy when packed
+        self.weight = None if pack or only_copy else weight  # no unpacked copy when packed
 
     def __call__(self, x: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.packed is None:                         # AVX2: the few-row kernel is the only copy of the weight
+        if self.packed is None:                         # no native bf16: the few-row kernel holds the only copy
             y = load().linear_bf16(x2.to(torch.bfloat16), self.small, self.out_features, self.bias32).to(x.dtype)
         elif self.small is not None and x2.dtype == torch.bfloat16 and (any_rows or x2.shape[0] <= self.small_m):
             y = load().linear_bf16(x2, self.small, self.out_features, self.bias32)

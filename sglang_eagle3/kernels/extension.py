@@ -4,11 +4,12 @@
 to their PyTorch twins when it is off or missing (`set_mode("off")`, EAGLE3_KERNELS=off, no compiler: `status()`
 says why). `python -m sglang_eagle3.kernels.extension` builds it and prints that status.
 
-Which few-row bf16 product the build has follows the CPU (it is compiled with -march=native):
-'amx' (tile kernel), 'avx512_bf16' (dot products), 'avx512f' (AVX-512F without BF16: bf16 weights widened to fp32
-in 512-bit registers), 'avx2' (the same on 256-bit AVX2 + FMA). EAGLE3_KERNEL_ISA=avx512f|avx2 builds for that
-lesser instruction set instead (what a host without AMX / AVX-512 BF16 runs, on a host that has them: tests,
-side-by-side benchmarks).
+Which few-row bf16 products the build has follows the CPU (it is compiled with -march=native): 'amx' (tile
+kernel), 'avx512_bf16' (dot products), 'avx512f' (AVX-512F without BF16: bf16 weights widened to fp32 in 512-bit
+registers), 'avx2' (the same on 256-bit AVX2 + FMA); a build holds every one its instruction set allows, and
+PackedLinears use the first of few_row_kernels() unless told otherwise (using_few_row, using_amx, EAGLE3_FEW_ROW=
+avx2 etc.: side-by-side benchmarks and tests). EAGLE3_KERNEL_ISA=avx512f|avx2 builds for that lesser instruction
+set instead (what a host without AMX / AVX-512 BF16 runs, on a host that has them).
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ import torch
 from sglang_eagle3.paths import cache_dir
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-# bindings first; then decode (linears, attention, element-wise ops, whole layers, AMX tiles, trees) and training;
-# + ops.h (declarations), simd.h (vector helpers)
-SOURCES = ("bindings.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp", "layers.cpp", "amx_linear.cpp",
-           "tree_ops.cpp", "train_ops.cpp")
+# bindings first; then decode (linears: AVX-512 BF16 and AVX2, AVX-512F, AMX tiles; attention, element-wise ops,
+# whole layers, trees) and training; + ops.h (declarations), simd.h (vector helpers)
+SOURCES = ("bindings.cpp", "linear.cpp", "linear_avx512f.cpp", "amx_linear.cpp", "attention.cpp", "elementwise.cpp",
+           "layers.cpp", "tree_ops.cpp", "train_ops.cpp")
 # EAGLE3_KERNEL_ISA: build for a lesser x86 instruction set than the host's (the flags switch the others off)
 ISA_FLAGS = {
     "native": [],
@@ -38,6 +39,7 @@ _ext = None
 _ext_error: Optional[str] = None
 _mode = os.environ.get("EAGLE3_KERNELS", "auto")      # auto | off
 _amx = os.environ.get("EAGLE3_AMX", "auto")          # auto | off: the AMX tile kernel where the CPU has it
+_few_row = os.environ.get("EAGLE3_FEW_ROW", "auto")  # auto | one of few_row_kernels(): the kernel PackedLinears use
 
 
 # ---- mode ------------------------------------------------------------------------------------------
@@ -80,6 +82,24 @@ class using_amx:
     def __exit__(self, *exc):
         global _amx
         _amx = self.old
+
+
+class using_few_row:
+    """with extension.using_few_row("avx2"): models built inside use that few-row kernel ("auto": the default),
+    one of few_row_kernels() (side-by-side benchmarks, tests)."""
+
+    def __init__(self, kernel: str):
+        if kernel != "auto" and kernel not in few_row_kernels():
+            raise ValueError(f"few-row kernel {kernel!r}: this build has {', '.join(few_row_kernels()) or 'none'}")
+        self.new = kernel
+
+    def __enter__(self):
+        global _few_row
+        self.old, _few_row = _few_row, self.new
+
+    def __exit__(self, *exc):
+        global _few_row
+        _few_row = self.old
 
 
 # ---- the host ------------------------------------------------------------------------------------------
@@ -151,10 +171,19 @@ def load(build: bool = True):
 
 # ---- what the build can do -----------------------------------------------------------------------------
 def few_row_isa() -> str:
-    """What csrc's few-row bf16 kernel (linear_bf16) was built with: 'avx512_bf16', 'avx512f', 'avx2' (bf16 weights
+    """The build's default vector few-row bf16 kernel (linear_bf16): 'avx512_bf16', 'avx512f', 'avx2' (bf16 weights
     widened to fp32 in registers) or '' (none)."""
     ext = load()
     return ext.few_row_isa() if ext is not None else ""
+
+
+def few_row_kernels() -> list[str]:
+    """Every few-row kernel this machine can run with this build, the fastest first: 'amx' (where usable), then the
+    vector ones (an AMX host's native build: amx, avx512_bf16, avx512f, avx2; an AVX-512F build: avx512f, avx2)."""
+    ext = load()
+    if ext is None:
+        return []
+    return (["amx"] if ext.amx_usable() else []) + list(ext.few_row_kernels())
 
 
 def amx_usable() -> bool:
@@ -171,16 +200,21 @@ def amx_active() -> bool:
 
 
 def few_row_kernel() -> Optional[str]:
-    """The few-row kernel PackedLinears built now use: 'amx', 'avx512_bf16', 'avx512f', 'avx2', or None."""
+    """The few-row kernel PackedLinears built now use: 'amx', 'avx512_bf16', 'avx512f', 'avx2', or None (no
+    extension). The one chosen by using_few_row / EAGLE3_FEW_ROW, else AMX where active, else the build's default."""
     if load() is None:
         return None
+    if _few_row != "auto":
+        if _few_row not in few_row_kernels():
+            raise ValueError(f"EAGLE3_FEW_ROW={_few_row!r}: this build has {', '.join(few_row_kernels()) or 'none'}")
+        return _few_row
     return "amx" if amx_active() else few_row_isa() or None
 
 
 def status() -> dict:
     ext = load()
     return {"mode": _mode, "extension": ext is not None, "extension_error": _ext_error, "isa": kernel_isa(),
-            "few_row_kernel": few_row_kernel() if ext is not None else None}
+            "few_row_kernel": few_row_kernel() if ext is not None else None, "few_row_kernels": few_row_kernels()}
 
 
 if __name__ == "__main__":

@@ -111,6 +111,16 @@ class TargetModel(nn.Module):
             + self.num_heads * self.head_dim * self.hidden_size + 3 * inter * self.hidden_size + 2 * self.hidden_size
         return el * (self.num_layers * per_layer + self.hidden_size + self.vocab_size * self.hidden_size)
 
+    def forward_flops(self, context: int, T: int) -> int:
+        """FLOPs of one forward over T new tokens per row after `context` cached ones (batch 1): every layer's
+        linears and the head over T rows, and attention's scores and weighted sums (each query against the cached
+        keys and, at most, the T new ones)."""
+        linears = sum(lin.out_features * lin.in_features for layer in self.layers
+                      for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        linears += self.lm_head_packed.out_features * self.lm_head_packed.in_features
+        attention = self.num_layers * self.num_heads * T * (context + T) * self.head_dim * 4
+        return 2 * T * linears + attention
+
     def new_cache(self, num_rows: int, max_len: int) -> KVPool:
         return KVPool(self.num_layers, num_rows, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
 

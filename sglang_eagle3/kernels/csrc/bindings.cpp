@@ -6,9 +6,11 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // decode: linears
-  m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16");
-  m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight");
-  m.def("few_row_isa", &few_row_isa, "the instructions linear_bf16 was built with (avx512_bf16, avx2 or none)");
+  m.def("pack_bf16", &pack_bf16, "pack a bf16 [N, K] weight for linear_bf16's few-row kernel (default: few_row_isa)",
+        pybind11::arg("w"), pybind11::arg("kernel") = "");
+  m.def("linear_bf16", &linear_bf16, "few-row bf16 matrix product against a packed weight (the kernel it was packed for)");
+  m.def("few_row_isa", &few_row_isa, "the build's default few-row kernel (avx512_bf16, avx512f, avx2 or none)");
+  m.def("few_row_kernels", &few_row_kernels, "every few-row kernel of this build, the fastest first");
   m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
   m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
   // decode: layers, attention, element-wise

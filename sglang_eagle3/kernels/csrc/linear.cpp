@@ -1,5 +1,7 @@
 // Few-row bf16 matrix products (decode, verify, draft) against weights packed once: the AVX-512 BF16 dot-product
-// kernel and the AVX2 + FMA kernel (bf16 weights widened to fp32 in registers). amx_linear.cpp has the AMX one.
+// kernel and the AVX2 + FMA kernel (bf16 weights widened to fp32 in registers) here, the AVX-512F one (the same
+// widening on 512-bit vectors) in linear_avx512f.cpp, the AMX one in amx_linear.cpp. A build holds every kernel its
+// instruction set allows; the packed weight's layout says which one reads it (pack_bf16's kernel argument).
 //
 // Built by sglang_eagle3/kernels/extension.py; the Python wrapper (PackedLinear) is in kernels/decode.py.
 #include <torch/extension.h>
@@ -26,8 +28,22 @@ using namespace e3;
 // stream (the hardware prefetcher keeps up with one stream per core better than with a stream per block), once
 // per call: rows are processed in passes of up to 12 while the group's weights (K * 128 bytes) stay in L2.
 // N and K are padded to 32 and 2 with zeros.
-at::Tensor pack_bf16(const at::Tensor& w) {
+//
+// The kernels that widen bf16 to fp32 read the same bytes as 32-bit lanes (W[n, 2p] in the low, W[n, 2p + 1] in
+// the high half), so their packed weight is that tensor viewed as int32: [N/32, K/2, 2, 16] for the AVX-512F kernel
+// (two blocks of 16 lanes per group and pair), [N/32, K/2, 4, 8] for the AVX2 kernel (four chunks of 8 lanes).
+// linear_bf16 dispatches on these layouts.
+namespace {
+bool kernel_built(const std::string& kernel) {
+  const std::vector<std::string> built = few_row_kernels();
+  return std::find(built.begin(), built.end(), kernel) != built.end();
+}
+}  // namespace
+
+at::Tensor pack_bf16(const at::Tensor& w, const std::string& kernel_name) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: a [N, K] bfloat16 weight");
+  const std::string kernel = kernel_name.empty() ? few_row_isa() : kernel_name;
+  TORCH_CHECK(kernel_built(kernel), "pack_bf16: this build has no few-row kernel '", kernel, "'");
   const int64_t N = w.size(0), K = w.size(1), NG = (N + 31) / 32, KP = (K + 1) / 2;
   at::Tensor wc = w.contiguous();
   at::Tensor out = at::zeros({NG, KP, 2, 16, 2}, w.options());
@@ -44,7 +60,9 @@ at::Tensor pack_bf16(const at::Tensor& w) {
           d[1] = 2 * p + 1 < K ? src[n * K + 2 * p + 1] : 0;
         }
   });
-  return out;
+  if (kernel == "avx512_bf16") return out;
+  at::Tensor lanes = out.view(at::kInt);                                    // [NG, KP, 2, 16, 1]
+  return kernel == "avx512f" ? lanes.view({NG, KP, 2, 16}) : lanes.view({NG, KP, 4, 8});
 }
 
 namespace {
@@ -107,7 +125,9 @@ inline void dot_rows(int64_t rows, const uint16_t* x, int64_t K, const __m512bh*
     default: return;
   }
 }
-#elif defined(E3_AVX2)
+#endif
+
+#ifdef E3_AVX2
 // AVX2 + FMA, no bf16 instructions (e.g. AMD Zen 2/3): the same packed layout. A 32-byte load holds, for 8 outputs,
 // the pair k = 2p, 2p + 1 as the low and high half of each 32-bit lane, so the lane shifted up by 16 and the lane
 // with its low half cleared are those two weights as fp32: two FMAs per 8 outputs and pair, the weights read once
@@ -207,43 +227,39 @@ inline void fma_rows(int64_t rows, const float* xf, int64_t Kx, const uint16_t* 
 #endif
 }  // namespace
 
-// x [M, K] bf16 @ W^T with W packed by pack_bf16 -> y [M, N] bf16 (fp32 accumulation; bias fp32 or none)
-// (a weight packed by pack_amx goes to amx_linear.cpp's tile kernel)
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
-  if (is_amx_packed(packed)) return linear_amx(x, packed, N, bias);
-#if defined(E3_BF16DOT) || defined(E3_AVX2)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-              packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 2,
-              "linear_bf16: x [M, K] and a packed weight");
-  const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KP = packed.size(1);
-  TORCH_CHECK((K + 1) / 2 == KP && (N + 31) / 32 == NG, "linear_bf16: weight packed for another shape");
-  at::Tensor xc = x.contiguous();
-  if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});
-  const int64_t Kx = xc.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor bf;
-  if (bias && bias->defined()) bf = bias->to(at::kFloat).contiguous();
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* P = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());   // 64 values per (g, p)
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+namespace {
+enum class Layout { Dot, Widen16, Widen8, Other };
+
+// which kernel reads a weight packed by pack_bf16 (see there)
+Layout layout_of(const at::Tensor& packed) {
+  if (packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 &&
+      packed.size(4) == 2)
+    return Layout::Dot;
+  if (packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.size(2) == 2 && packed.size(3) == 16)
+    return Layout::Widen16;
+  if (packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 8)
+    return Layout::Widen8;
+  return Layout::Other;
+}
+
 #ifdef E3_BF16DOT
+void linear_dot(const uint16_t* xp, int64_t M, int64_t Kx, const uint16_t* P, int64_t NG, int64_t KP,
+                const float* bias, at::BFloat16* y, int64_t N) {
   constexpr int64_t MT_MAX = 12;   // 2 x 12 accumulators of 16 lanes
   // passes of up to MT_MAX rows, as even as possible (16 rows with 12: 8 + 8, not 12 + 4)
   const int64_t passes = (M + MT_MAX - 1) / MT_MAX, per_pass = (M + passes - 1) / passes;
   at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m0 = 0; m0 < M; m0 += per_pass)
-        dot_rows(std::min(per_pass, M - m0), xp, Kx, reinterpret_cast<const __m512bh*>(P) + g * KP * 2, KP, bp, yp,
+        dot_rows(std::min(per_pass, M - m0), xp, Kx, reinterpret_cast<const __m512bh*>(P) + g * KP * 2, KP, bias, y,
                  N, 32 * g, m0);
   });
-#else
-  std::vector<float> xw(M * Kx);                                            // [M, Kx] fp32 (exact)
-  for (int64_t i = 0; i < M * Kx; ++i) {
-    const uint32_t bits = uint32_t(xp[i]) << 16;                             // bf16 is fp32's upper half
-    std::memcpy(&xw[i], &bits, 4);
-  }
-  const float* xf = xw.data();
+}
+#endif
+
+#ifdef E3_AVX2
+void linear_widen8(const float* xf, int64_t M, int64_t Kx, const uint16_t* P, int64_t NG, int64_t KP,
+                   const float* bias, at::BFloat16* y, int64_t N) {
   // passes whose sweeps all have >= 8 accumulator chains where possible: 6 rows as 4 + 2, 7 as 5 + 2, 8 to 11 in one
   std::vector<int64_t> starts;
   for (int64_t m0 = 0; m0 < M;) {
@@ -255,23 +271,95 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::parallel_for(0, NG, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (size_t i = 0; i + 1 < starts.size(); ++i)
-        fma_rows(starts[i + 1] - starts[i], xf, Kx, P + g * KP * 64, KP, bp, yp, N, 32 * g, starts[i],
+        fma_rows(starts[i + 1] - starts[i], xf, Kx, P + g * KP * 64, KP, bias, y, N, 32 * g, starts[i],
                  i + 2 == starts.size() && g + 1 < g1 ? P + (g + 1) * KP * 64 : nullptr);   // last pass: next group
   });
+}
 #endif
+
+// Up to this many rows the AVX-512F layout is multiplied by the AVX2 kernel (the same bytes, the same sums per
+// output, so the same bits): up to ~5 rows a product is bound by memory, and the 256-bit loop streamed the weights
+// faster than the 512-bit one (a Xeon with AMX running an AVX-512F-only build, the linears of a SmolLM2 step, the
+// two alternated in one process: one row 14.7 vs 15.5 ms, 3 rows 16.1 vs 18.4, 5 rows 18.9 vs 19.3; 6 rows 25.8 vs
+// 20.4). Likely the 512-bit FMAs' lower clock: at a few rows the core only waits for memory.
+constexpr int64_t WIDEN8_MAX_ROWS = 5;
+
+// x [M, Kx] bf16 -> fp32 (exact: bf16 is fp32's upper half)
+std::vector<float> widen(const uint16_t* xp, int64_t n) {
+  std::vector<float> xf(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = uint32_t(xp[i]) << 16;
+    std::memcpy(&xf[i], &bits, 4);
+  }
+  return xf;
+}
+}  // namespace
+
+// x [M, K] bf16 @ W^T with W packed by pack_bf16 -> y [M, N] bf16 (fp32 accumulation; bias fp32 or none): the
+// kernel the weight was packed for (a weight packed by pack_amx goes to amx_linear.cpp's tile kernel)
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  if (is_amx_packed(packed)) return linear_amx(x, packed, N, bias);
+  const Layout layout = layout_of(packed);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && layout != Layout::Other,
+              "linear_bf16: x [M, K] bf16 and a weight packed by pack_bf16");
+  const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == KP && (N + 31) / 32 == NG, "linear_bf16: weight packed for another shape");
+  at::Tensor xc = x.contiguous();
+  if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});
+  const int64_t Kx = xc.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor bf;
+  if (bias && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const void* P = packed.data_ptr();                                         // 64 bf16 values per (group, pair)
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  switch (layout) {
+#ifdef E3_BF16DOT
+    case Layout::Dot:
+      linear_dot(xp, M, Kx, static_cast<const uint16_t*>(P), NG, KP, bp, yp, N);
+      return y;
+#endif
+#ifdef E3_AVX512
+    case Layout::Widen16:
+#ifdef E3_AVX2
+      if (M <= WIDEN8_MAX_ROWS) {         // the same sums on 256-bit vectors: faster while memory bound (below)
+        linear_widen8(widen(xp, M * Kx).data(), M, Kx, static_cast<const uint16_t*>(P), NG, KP, bp, yp, N);
+        return y;
+      }
+#endif
+      linear_widen16(widen(xp, M * Kx).data(), M, Kx, static_cast<const int32_t*>(P), NG, KP, bp, yp, N);
+      return y;
+#endif
+#ifdef E3_AVX2
+    case Layout::Widen8:
+      linear_widen8(widen(xp, M * Kx).data(), M, Kx, static_cast<const uint16_t*>(P), NG, KP, bp, yp, N);
+      return y;
+#endif
+    default:
+      TORCH_CHECK(false, "linear_bf16: this build lacks the kernel the weight was packed for (compile with "
+                         "-march=native on the machine that runs it)");
+  }
   return y;
-#else
-  TORCH_CHECK(false, "linear_bf16: this build has neither AVX-512 BF16 nor AVX2 + FMA (compile with -march=native)");
-#endif
 }
 
-// the instructions linear_bf16's few-row kernel was built with: "avx512_bf16", "avx2" or "" (none)
+// the build's default few-row kernel: "avx512_bf16", "avx512f", "avx2" or "" (none)
 std::string few_row_isa() {
-#if defined(E3_BF16DOT)
-  return "avx512_bf16";
-#elif defined(E3_AVX2)
-  return "avx2";
-#else
-  return "";
+  const std::vector<std::string> built = few_row_kernels();
+  return built.empty() ? "" : built.front();
+}
+
+// every few-row kernel this build holds (pack_bf16 packs for any of them), the fastest first
+std::vector<std::string> few_row_kernels() {
+  std::vector<std::string> out;
+#ifdef E3_BF16DOT
+  out.push_back("avx512_bf16");
 #endif
+#ifdef E3_AVX512
+  out.push_back("avx512f");
+#endif
+#ifdef E3_AVX2
+  out.push_back("avx2");
+#endif
+  return out;
 }

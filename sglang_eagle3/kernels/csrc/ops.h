@@ -1,6 +1,6 @@
 // Declarations shared by the extension's sources, which bindings.cpp binds for Python.
-// Decode: attention.cpp (tree attention over the KV pool), elementwise.cpp (norms, SiLU), linear.cpp (few-row bf16
-// products), amx_linear.cpp (AMX tile products), layers.cpp (whole decoder layers), tree_ops.cpp (draft tree
+// Decode: attention.cpp (tree attention over the KV pool), elementwise.cpp (norms, SiLU), linear.cpp and
+// linear_avx512f.cpp (few-row bf16 products), amx_linear.cpp (AMX tile products), layers.cpp (whole decoder layers), tree_ops.cpp (draft tree
 // selection, acceptance). Training: train_ops.cpp (TTT's soft cross-entropy, the target's distribution).
 #pragma once
 #include <torch/extension.h>
@@ -20,9 +20,15 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tens
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // linear.cpp
-std::string few_row_isa();                           // "avx512_bf16", "avx512f", "avx2" or "" (none)
-at::Tensor pack_bf16(const at::Tensor& w);
+std::string few_row_isa();                           // the default: "avx512_bf16", "avx512f", "avx2" or "" (none)
+std::vector<std::string> few_row_kernels();          // every few-row kernel of this build, the fastest first
+at::Tensor pack_bf16(const at::Tensor& w, const std::string& kernel);   // kernel "" : few_row_isa()
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+
+// linear_avx512f.cpp (AVX-512F builds; called by linear_bf16): y [M, N] = xf [M, Kx] fp32 @ W^T (+ bias), W packed
+// as int32 [NG, KP, 2, 16]
+void linear_widen16(const float* xf, int64_t M, int64_t Kx, const int32_t* P, int64_t NG, int64_t KP,
+                    const float* bias, at::BFloat16* y, int64_t N);
 
 // amx_linear.cpp
 bool amx_usable();                                   // built with AMX and the OS grants tile data
