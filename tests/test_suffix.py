@@ -163,7 +163,7 @@ def test_the_size_maximises_expected_tokens_per_second():
 def test_the_planner_drafts_only_while_it_pays_and_learns_the_verify_costs():
     planner = TreePlanner(flat_costs(), 16, has_draft=True)
     assert planner.wants_draft(None, 1, 0)                        # its rate unknown yet
-    planner.observe_draft(1, 0.004, 500.0)
+    planner.observe_step(1, True, 5, 0.01)                       # drafted steps delivered 500 tokens/s
     assert planner.wants_draft([[math.log(0.2)]], 1, 0)           # a weak proposal: the draft promises more
     assert not planner.wants_draft([[0.0] * 12], 1, 0)            # a sure long proposal: no draft this step
     assert not TreePlanner(flat_costs(), 16, has_draft=False).wants_draft(None, 1, 0)
@@ -207,3 +207,17 @@ def test_context_drafter_proposes_and_observes():
     assert d.calibration[True].tries[3] > d.calibration[False].tries[3]                 # greedy and sampled apart
     d.finish("r")
     assert "r" not in d.streams
+
+
+def test_what_was_learnt_carries_over_when_the_engine_grows_its_pools():
+    tm, _ = tiny_target("llama", vocab_size=64)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=3), SpecConfig(2, 2, 4),
+                            drafting=Drafting("hybrid", "auto", max_nodes=8), costs=flat_costs())
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    eng.generate(["3 4 5"], params)
+    first = eng._scheduler
+    context, planner = first.context, first.planner
+    assert sum(context.calibration[True].tries.values()) > sum(MatchCalibration().tries.values())   # it observed
+    eng.generate([" ".join(["3 4 5 6"] * 20)], params)                  # a longer prompt: larger pools
+    assert eng._scheduler is not first
+    assert eng._scheduler.context is context and eng._scheduler.planner is planner

@@ -110,16 +110,16 @@ class TreePlanner:
     """Decides, each step, whether to run the draft and how many nodes to verify, from the machine's costs (a prior
     from measure_costs, corrected by every verify the engine times) and the nodes' chances.
 
-    Drafting is worth it when the tokens per second that drafted trees were predicted to yield (an average over recent
-    drafted steps, draft time included) beat what the context's proposals alone promise now at no draft cost."""
+    Drafting is worth it when the tokens per second that drafted steps actually delivered lately (their emitted tokens
+    over their draft and verify time, an average over recent drafted steps) beat what the context's proposals alone
+    promise now (their calibrated chances over a verify's cost, no draft)."""
 
     EMA = 0.2
 
     def __init__(self, costs: StepCosts, max_nodes: int, has_draft: bool):
         self.costs, self.max_nodes, self.has_draft = costs, max_nodes, has_draft
         self.verify_factor: dict[int, float] = {}     # batch -> observed / predicted verify seconds
-        self.draft_seconds: dict[int, float] = {}     # batch -> seconds a drafted step spends drafting
-        self.draft_rate: dict[int, float] = {}        # batch -> predicted tokens/s of drafted trees
+        self.draft_rate: dict[int, float] = {}        # batch -> tokens/s drafted steps delivered lately
         self.steps = {"draft": 0, "context": 0, "none": 0}
 
     def _bucket(self, table: dict, batch: int) -> Optional[float]:
@@ -151,9 +151,10 @@ class TreePlanner:
         if predicted > 0 and seconds > 0:
             self._ema(self.verify_factor, batch, seconds / predicted)
 
-    def observe_draft(self, batch: int, seconds: float, rate: float) -> None:
-        self._ema(self.draft_seconds, batch, seconds)
-        self._ema(self.draft_rate, batch, rate)
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A finished step: its emitted tokens (all rows) and its draft + verify seconds."""
+        if drafted and seconds > 0:
+            self._ema(self.draft_rate, batch, tokens / seconds)
 
     def _ema(self, table: dict, key: int, value: float) -> None:
         old = table.get(key)

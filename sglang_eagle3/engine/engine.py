@@ -148,10 +148,11 @@ class SpeculativeEngine:
         """A scheduler with at least these rows and slots (kept between calls; grown when needed)."""
         s = self._scheduler
         if s is None or s.max_running < max_running or s.max_len < max_len:
+            learnt = (s.context, s.planner) if s is not None else None      # calibration and costs carry over
             self._scheduler = None                         # free the old pools first
             s = self._scheduler = Scheduler(self.target, self.draft, self.spec, self.profile, max_running,
                                             max_len, max_queue=1 << 30, eos_ids=self.eos_ids,
-                                            drafting=self.drafting, costs=self.costs)
+                                            drafting=self.drafting, costs=self.costs, learnt=learnt)
         return s
 
     # ---- public API ----------------------------------------------------------------------

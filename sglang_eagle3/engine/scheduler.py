@@ -120,7 +120,8 @@ def tree_slots(spec: Optional[SpecConfig], profile: Optional[SpecProfile], draft
 class Scheduler:
     def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
                  max_running: int = 8, max_len: int = 2048, max_queue: int = 256, eos_ids: Optional[set] = None,
-                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None):
+                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None,
+                 learnt: Optional[tuple] = None):
         self.drafting = drafting = drafting or Drafting()
         draft = draft if drafting.uses_draft else None               # `suffix`: the draft model is not used
         self.target, self.draft, self.tokenizer = target, draft, target.tokenizer
@@ -130,10 +131,13 @@ class Scheduler:
         trees = self.profile.trees() if self.profile else [self.spec] if self.spec else []
         draft_slots = max((t.num_steps * t.topk for t in trees), default=0)         # draft slots a tree writes
         self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots)
-        self.context = ContextDrafter(drafting.context_tokens, drafting.context_branches, drafting.min_match,
-                                      drafting.pool_tokens) if drafting.uses_context else None
-        self.planner = None
-        if drafting.tree == "auto" and (draft is not None or self.context is not None):
+        # what the context drafter and the planner learnt (calibration, costs) carries over from an earlier scheduler
+        # of the same engine (learnt = (context drafter, planner)), else starts from the priors
+        self.context, self.planner = learnt or (None, None)
+        if self.context is None and drafting.uses_context:
+            self.context = ContextDrafter(drafting.context_tokens, drafting.context_branches, drafting.min_match,
+                                          drafting.pool_tokens)
+        if self.planner is None and drafting.tree == "auto" and (draft is not None or self.context is not None):
             costs = costs or load_or_measure_costs(target, max_running, drafting.max_nodes)
             self.planner = TreePlanner(costs, drafting.max_nodes, draft is not None)
         self.max_running, self.max_len, self.max_queue = max_running, max_len, max_queue

@@ -183,6 +183,8 @@ class SpecWorker:
             with record_function("eagle3::draft_hold"):
                 self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
         times = StepTimes(draft=(t1 - t0) + (time.perf_counter() - t2), verify=t2 - t1)
+        if planner is not None:
+            planner.observe_step(len(rows), drafted, sum(counts), times.draft + times.verify)
         context_accepted = [[] for _ in rows]
         if from_context is not None:
             on_path = torch.gather(from_context, 1, path)[:, 1:].tolist()              # accepted draft nodes
@@ -218,9 +220,7 @@ class SpecWorker:
         room = 1 + min(cands.finite())
         if planner is not None:
             draft_s = time.perf_counter() - t0 if drafted else 0.0
-            size, rate = planner.size(sorted_scores(cands), B, context, draft_s)
-            if drafted:
-                planner.observe_draft(B, draft_s, rate)
+            size, _ = planner.size(sorted_scores(cands), B, context, draft_s)
         else:                                   # the fixed tree's nodes, plus the context's own
             extra = int(cands.from_context.logical_and(torch.isfinite(cands.scores)).sum(1).max())
             size = min(room, (spec.num_draft_tokens if drafted else 1) + min(extra, MAX_CONTEXT_NODES))
