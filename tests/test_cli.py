@@ -392,3 +392,55 @@ def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
     for flags in ("flags : avx2 avx512f avx512_bf16", "flags : avx512_bf16 amx_bf16 amx_tile"):
         monkeypatch.setattr(extension, "cpu_flags", lambda f=flags: f)
         assert resolve_dtype("auto") == "bfloat16"
+
+
+# ---- misuse: a folder of the wrong kind, a config field of the wrong type ---------------------------------
+def test_a_draft_given_as_target_or_a_target_as_draft_is_named_in_one_line(folders, capsys):
+    target, draft, _ = folders
+    cases = [(["generate", "--target", draft, "--prompt", "w1"], f"--target {draft} is an EAGLE-3 draft folder"),
+             (["generate", "--target", target, "--draft", target, "--prompt", "w1"],
+              f"--draft {target} is a target model folder"),
+             (["check-draft", "--draft", draft, "--target", draft], f"--target {draft} is an EAGLE-3 draft folder"),
+             (["check-draft", "--draft", target], f"--draft {target} is a target model folder"),
+             (["init-draft", "--target", draft, "--out", "/nonexistent/x"], "is an EAGLE-3 draft folder")]
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err, err
+
+
+BAD_FIELDS = [("draft_vocab_size", "abc", "is not a positive integer"), ("hidden_size", 0, "is not a positive integer"),
+              ("intermediate_size", 1.5, "is not a positive integer"), ("num_attention_heads", None, "missing"),
+              ("num_key_value_heads", True, "is not a positive integer"), ("head_dim", "16", "positive integer"),
+              ("vocab_size", -3, "is not a positive integer"), ("target_hidden_size", [64], "positive integer"),
+              ("max_position_embeddings", "long", "is not a positive integer"),
+              ("rms_norm_eps", "tiny", "is not a positive number"), ("rope_theta", -1, "is not a positive number"),
+              ("rope_scaling", "x", "is not an object"), ("torch_dtype", "int8", "is not one of"),
+              ("hidden_act", 5, "is not a string"), ("eos_token_id", "</s>", "is not a token id"),
+              ("bos_token_id", -1, "is not a token id"), ("fc_norm", "yes", "must be true or false"),
+              ("eagle_config", [1, 2], "is not an object"), ("num_hidden_layers", "1", "exactly 1 layer"),
+              ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, "x", 4]}, "not a list of non-negative")]
+
+
+@pytest.mark.parametrize("key,value,said", BAD_FIELDS, ids=[f"{k}={v!r}" for k, v, _ in BAD_FIELDS])
+def test_every_draft_config_field_is_type_checked_naming_file_and_key(folders, key, value, said):
+    from sglang_eagle3.models.config import ConfigError, Eagle3Config
+    _, draft, _ = folders
+    d = json.loads(open(os.path.join(draft, "config.json")).read())
+    d[key] = value
+    with pytest.raises(ConfigError) as e:
+        Eagle3Config.from_dict(d, where="D/config.json")
+    assert str(e.value).startswith("D/config.json: ") and key in str(e.value) and said in str(e.value), str(e.value)
+
+
+def test_generate_names_the_bad_draft_config_field(folders, tmp_path, capsys):
+    import shutil
+    target, draft, _ = folders
+    d = tmp_path / "d"
+    shutil.copytree(draft, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["draft_vocab_size"] = "abc"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", "--target", target, "--draft", str(d), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"eagle3 generate: error: {d}/config.json: draft_vocab_size='abc' is not a positive integer"

