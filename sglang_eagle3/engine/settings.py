@@ -72,6 +72,25 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     return "bfloat16" if fast else "float32"
 
 
+def check_device(name: str, flag: str = "--device") -> str:
+    """A --device before any model loads: auto, cpu, or cuda[:N] with that GPU visible (one line otherwise)."""
+    if name == "auto":
+        return name
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UserError(f"{flag} {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"{flag} {name}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise UserError(f"{flag} {name}: no CUDA GPU is visible on this machine")
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"{flag} {name}: this machine has {n} CUDA GPU(s) (cuda:0..cuda:{n - 1})")
+    return name
+
+
 def default_draft(draft: Optional[str], embedded_target: bool) -> Optional[str]:
     """--draft as given ('none': no draft), else the shipped draft when the target is the embedded one."""
     if draft is not None:

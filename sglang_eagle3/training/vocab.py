@@ -15,6 +15,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from sglang_eagle3.errors import UserError
+
 VOCAB_FILE, REPORT_FILE = "draft_vocab.safetensors", "draft_vocab.json"
 CANDIDATE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 32768)
 
@@ -79,6 +81,46 @@ def save_vocab(directory: str, draft_to_target: torch.Tensor, counts: np.ndarray
     from sglang_eagle3.fileio import write_json
     write_json(os.path.join(directory, REPORT_FILE), report)
     return path
+
+
+class VocabError(UserError, ValueError):
+    """A draft vocabulary file that cannot be used; the message names the flag, the file and the bad id."""
+
+
+def read_draft_to_target(path: str, vocab_size: int, flag: str = "--draft-vocab") -> torch.Tensor:
+    """draft_to_target [D] of a draft vocabulary file (or a folder holding draft_vocab.safetensors), checked before
+    any model loads: a readable safetensors file with a non-empty 1-D integer draft_to_target whose ids are
+    distinct tokens of the target's vocabulary [0, vocab_size)."""
+    from safetensors import safe_open
+    if os.path.isdir(path):
+        path = os.path.join(path, VOCAB_FILE)
+    if not os.path.isfile(path):
+        raise VocabError(f"{flag} {path}: no such file; build one with `eagle3 build-vocab`")
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            ids = f.get_tensor("draft_to_target") if "draft_to_target" in names else None
+    except Exception as e:  # safetensors raises several types for a file that is not one
+        raise VocabError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if ids is None:
+        raise VocabError(f"{flag} {path}: no draft_to_target tensor (it holds {', '.join(names) or 'nothing'}); "
+                         "`eagle3 build-vocab` writes draft vocabularies")
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise VocabError(f"{flag} {path}: draft_to_target is {str(ids.dtype).replace('torch.', '')} "
+                         f"{list(ids.shape)}; expected a non-empty list of integer target token ids")
+    ids = ids.long()
+    outside = ((ids < 0) | (ids >= vocab_size)).nonzero().flatten()
+    if len(outside):
+        i = int(outside[0])
+        raise VocabError(f"{flag} {path}: draft_to_target[{i}] = {int(ids[i])} is not a token of the target "
+                         f"vocabulary [0, {vocab_size}) ({len(outside)} such ids)")
+    uniq, counts = ids.unique(return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[counts > 1][0])
+        where = (ids == dup).nonzero().flatten().tolist()
+        raise VocabError(f"{flag} {path}: target id {dup} appears {len(where)} times in draft_to_target (at "
+                         f"{where[:4]}); a draft vocabulary lists distinct tokens")
+    return ids
 
 
 def load_vocab(path: str) -> dict[str, torch.Tensor]:

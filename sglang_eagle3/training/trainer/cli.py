@@ -167,8 +167,9 @@ def add_train_args(p) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
     g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
                    "metrics and draft and start again")
-    g.add_argument("--check-only", action="store_true", help="check the inputs (target, data, vocab, run folder) "
-                   "and exit: what `make train` runs before launching workers")
+    g.add_argument("--check-only", action="store_true", help="check every input as the run will (target, data rows and "
+                   "the held-out split for $WORLD_SIZE ranks, draft vocabulary, --init-from, run folder, resume) and "
+                   "exit: what `make train` runs before launching workers")
     g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
     g.add_argument("--no-tensorboard", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -177,9 +178,13 @@ def add_train_args(p) -> None:
 
 def train_config(args):
     from sglang_eagle3.training.trainer.run_config import TrainConfig
-    for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
+    for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every",
+                 "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_every", "keep_every", "weight_decay", "feature_loss_weight"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     checks = [("--lr", args.lr, args.lr > 0, "> 0"),
               ("--warmup-ratio", args.warmup_ratio, 0 <= args.warmup_ratio < 1, "in [0, 1)"),
               ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
@@ -214,29 +219,15 @@ def train_config(args):
         verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
 
 
-def check_inputs(cfg) -> None:
-    """Cheap checks before any worker starts: one line naming the bad input instead of a worker traceback."""
-    from sglang_eagle3.training.dump_reader import MANIFEST
-    from sglang_eagle3.training.trainer.run_folder import check_run_folder
-    if not os.path.exists(cfg.data):
-        raise UserError(f"--data {cfg.data}: no such file or folder (make data / make dump first?)")
-    if os.path.isdir(cfg.data) and not (os.path.isfile(os.path.join(cfg.data, MANIFEST)) or
-                                        os.path.isfile(os.path.join(cfg.data, "data.arrow"))):
-        raise UserError(f"--data {cfg.data}: neither a hidden-state dump ({MANIFEST}) nor a prepare-data folder")
-    for flag, path in (("--draft-vocab", cfg.draft_vocab), ("--init-from", cfg.init_from),
-                       ("--eval-data", cfg.eval_data), ("--draft-config", cfg.draft_config)):
-        if path and not os.path.exists(path):
-            raise UserError(f"{flag} {path}: no such file or folder")
-    check_run_folder(cfg)
-
-
 def run_train(args) -> int:
-    from sglang_eagle3.training.trainer.loop import Trainer
+    from sglang_eagle3.training.trainer.preflight import check_inputs
     cfg = train_config(args)
-    check_inputs(cfg)
+    with value_errors_as_user_errors():
+        check_inputs(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.check_only:
         print(f"train: inputs ok ({cfg.data} -> {cfg.out})")
         return 0
+    from sglang_eagle3.training.trainer.loop import Trainer
     with value_errors_as_user_errors():
         Trainer(cfg).run()
     return 0
