@@ -55,12 +55,8 @@ def check_args(a) -> SamplingParams:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty")
-    try:
-        return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                              top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
-    except ValueError as e:
-        raise UserError(str(e).replace("max_new_tokens", "--max-new-tokens").replace("temperature", "--temperature")
-                        .replace("top_p", "--top-p").replace("top_k", "--top-k")) from None
+    return SamplingParams.from_flags(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                                     top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
 
 
 def conversations(a) -> list[list[str]]:

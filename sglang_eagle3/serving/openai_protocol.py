@@ -8,7 +8,6 @@ but the EOS token that ended it, each with up to 20 alternatives.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Optional, Union
 
@@ -142,8 +141,7 @@ def sampling_params(body: _Sampling, prompt_len: int, context: int, chat: bool =
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One SamplingParams per choice: choice 0 as asked, choice i > 0 with its own seed derived from the request's
     (unseeded choices draw their own), so that n sampled choices differ and a seeded request repeats."""
-    return [params if i == 0 or params.seed is None else replace(params, seed=params.seed * 1_000_003 + i)
-            for i in range(n)]
+    return [params if i == 0 else params.derived(i) for i in range(n)]
 
 
 def chat_prompt(body: ChatRequest) -> list[dict]:

@@ -55,23 +55,30 @@ def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
 def run_dump(args) -> int:
     import torch
 
+    from sglang_eagle3.engine.settings import check_device
     from sglang_eagle3.models.target import TargetModel
     from sglang_eagle3.training.hidden_dump import (
         DTYPES,
         MANIFEST,
         DumpError,
+        check_dump_args,
         dump_hidden_states,
         human_bytes,
         load_token_rows,
     )
+    from sglang_eagle3.training.trainer.preflight import check_aux_layers, target_text_config
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(args.device)
+    if args.max_rows is not None and args.max_rows < 1:
+        raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
+    check_dump_args(args.out, args.rows_per_shard, args.batch_tokens, rank, world, args.overwrite, args.reuse)
+    device = resolve_device(check_device(args.device))
+    aux = parse_layer_ids(args.aux_layer_ids)
+    check_aux_layers(aux, target_text_config(args.target))
     tdtype = DTYPES[args.target_dtype] if args.target_dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = load_token_rows(args.data, args.max_rows)
-    target = TargetModel.from_pretrained(args.target, dtype=tdtype, device=device,
-                                         aux_layer_ids=parse_layer_ids(args.aux_layer_ids))
+    target = TargetModel.from_pretrained(args.target, dtype=tdtype, device=device, aux_layer_ids=aux)
     bad = [i for i, (ids, _) in enumerate(rows) if ids.max() >= target.vocab_size]
     if bad:
         raise DumpError(f"{args.data}: row {bad[0]} has token id {int(rows[bad[0]][0].max())} >= the target's "

@@ -64,12 +64,17 @@ def check_draft_inputs(cfg, tc) -> None:
             raise ConfigError(f"--draft-config {path}: expected a JSON object, got {type(d).__name__}")
 
 
-def check_aux_layers(cfg, tc) -> None:
-    """Online mode: --aux-layer-ids are layers of the target (the run captures them)."""
-    bad = [i for i in cfg.aux_layer_ids or [] if not 0 <= i < tc.num_hidden_layers]
+def check_aux_layers(aux_layer_ids, tc) -> None:
+    """--aux-layer-ids (when given) name layers of the target, in increasing order, as the target runtime captures
+    them (online training, dump-hidden-states)."""
+    if not aux_layer_ids:
+        return
+    bad = [i for i in aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
     if bad:
-        raise ConfigError(f"--aux-layer-ids {cfg.aux_layer_ids}: ids {bad} are not layers of the target's "
+        raise ConfigError(f"--aux-layer-ids {aux_layer_ids}: ids {bad} are not layers of the target's "
                           f"{tc.num_hidden_layers} (0..{tc.num_hidden_layers - 1})")
+    if list(aux_layer_ids) != sorted(set(aux_layer_ids)):
+        raise ConfigError(f"--aux-layer-ids {aux_layer_ids} must be strictly increasing (SGLang's order)")
 
 
 def check_inputs(cfg, world_size: int) -> None:
@@ -86,7 +91,7 @@ def check_inputs(cfg, world_size: int) -> None:
     if plan.mode == "offline":
         check_dump_fits(plan.data, tc, cfg)
     else:
-        check_aux_layers(cfg, tc)
+        check_aux_layers(cfg.aux_layer_ids, tc)
     check_draft_inputs(cfg, tc)
     found = latest_checkpoint(os.path.join(cfg.out, "checkpoints")) if cfg.resume else None
     if found:
