@@ -133,12 +133,34 @@ def load_vocab(path: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+def check_vocab_out(out_dir: str, overwrite: bool) -> None:
+    """Where a draft vocabulary goes: a folder (made if missing) without one already, unless it is to be replaced."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise VocabError(f"--out {out_dir} is a file, not a folder")
+    there = [f for f in (VOCAB_FILE, REPORT_FILE) if os.path.exists(os.path.join(out_dir, f))]
+    if there and not overwrite:
+        raise VocabError(f"{out_dir} already holds a draft vocabulary ({', '.join(there)}); pass --force to replace "
+                         "it, or --out another folder")
+
+
 def build_vocab(data_dir: str, draft_vocab_size: int, vocab_size: Optional[int] = None,
-                out_dir: Optional[str] = None) -> dict:
-    """Count a prepared dataset's assistant tokens, choose the draft vocab, save it; returns the report."""
-    from sglang_eagle3.training.data.build import iter_tokenized, read_stats
+                out_dir: Optional[str] = None, overwrite: bool = False) -> dict:
+    """Count a prepared dataset's assistant tokens, choose the draft vocab, save it; returns the report. An existing
+    vocabulary in the output folder is replaced only with overwrite (`--force`)."""
+    from sglang_eagle3.training.data.build import STATS_FILE, iter_tokenized, read_stats
+    if not os.path.isfile(os.path.join(data_dir, STATS_FILE)):
+        raise VocabError(f"{data_dir}: not a prepare-data folder (no {STATS_FILE}); run `eagle3 prepare-data` first")
+    for flag, value in (("--draft-vocab-size", draft_vocab_size), ("--vocab-size", vocab_size)):
+        if value is not None and value < 1:
+            raise VocabError(f"{flag} must be >= 1, got {value}")
+    check_vocab_out(out_dir or data_dir, overwrite)
     if vocab_size is None:
-        vocab_size = int(read_stats(data_dir)["target_vocab_size"])
+        vocab_size = read_stats(data_dir).get("target_vocab_size")
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise VocabError(f"{os.path.join(data_dir, STATS_FILE)}: target_vocab_size={vocab_size!r} is not a "
+                             "positive integer (pass --vocab-size)")
+    if draft_vocab_size > vocab_size:
+        raise VocabError(f"--draft-vocab-size {draft_vocab_size} exceeds the target vocabulary of {vocab_size}")
     counts = count_tokens(iter_tokenized(data_dir), vocab_size)
     if counts.sum() == 0:
         raise ValueError(f"{data_dir}: no assistant tokens to count")
