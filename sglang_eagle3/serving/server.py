@@ -364,14 +364,19 @@ def build_state(target: str, settings, max_running: int, max_queue: int, max_len
     return ServerState(sched, name, info)
 
 
-def run_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> int:
+def run_server(state: ServerState, host: str, port: int, log_level: str = "warning", sock=None) -> int:
+    """Serve until interrupted. sock: a socket already bound to host:port (launcher.bind_port), which uvicorn
+    listens on, so that the banner below is printed only for an address that is ours."""
     import uvicorn
     app = create_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    if sock is None:
+        sock = config.bind_socket()
     print(f"eagle3 serve: {state.model_name} on http://{host}:{port}/v1 (draft: {state.info.get('draft') or 'none'}, "
           f"{state.info['dtype']}, up to {state.info['max_running_requests']} running requests, "
           f"KV pool {state.info['kv_pool_mb']} MB)\n"
           f"  curl -s http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 64}}'", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
