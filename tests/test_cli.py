@@ -444,3 +444,26 @@ def test_generate_names_the_bad_draft_config_field(folders, tmp_path, capsys):
     assert main(["generate", "--target", target, "--draft", str(d), "--prompt", "w1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"eagle3 generate: error: {d}/config.json: draft_vocab_size='abc' is not a positive integer"
+
+
+def test_flags_that_would_be_ignored_or_misread_are_refused(folders, tmp_path, capsys):
+    """Tree flags without a draft, a --num-draft-tokens a chain would cut, a folder as prompts file, a draft vocabulary
+    larger than the target's and a file as --cache-dir: one line each, before any model loads."""
+    target, draft, _ = folders
+    cases = [(["generate", "--target", target, "--draft", "none", "--prompt", "w1", "--num-steps", "3"],
+              "--num-steps shapes the draft tree, but there is no draft"),
+             (["generate", "--target", target, "--prompt", "w1", "--topk", "2"], "--topk shapes the draft tree"),
+             (["generate", "--target", target, "--draft", draft, "--prompt", "w1", "--num-steps", "2", "--topk", "1",
+               "--num-draft-tokens", "8"], "--num-draft-tokens 8: a chain (topk 1) of 2 steps verifies 3 tokens"),
+             (["generate", "--target", target, "--draft", "none", "--prompts-file", str(tmp_path)],
+              f"prompts file {tmp_path} is a folder"),
+             (["init-draft", "--target", target, "--out", str(tmp_path / "d"), "--draft-vocab-size", "1000"],
+              "--draft-vocab-size 1000 exceeds the target vocabulary of 96"),
+             (["testbed", "--cache-dir", os.path.join(draft, "config.json")], "is a file, not a folder"),
+             (["serve", "--engine", "builtin", "--target", target, "--draft", "none", "--num-steps", "2", "--dry-run"],
+              "--num-steps shapes the draft tree")]
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)
+    assert not (tmp_path / "d").exists()

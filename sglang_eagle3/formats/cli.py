@@ -48,6 +48,8 @@ def check_export_args(args) -> None:
             raise UserError(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}")
     if args.format != "gguf":
         check_out(args.out, args.force)
+    elif os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a file, not a folder (gguf writes draft.gguf and target.gguf into it)")
 
 
 def _export(args) -> int:

@@ -76,6 +76,11 @@ def prepare(root: str | None = None, force: bool = False) -> str:
     path = testbed_path(root)
     if is_ready(path) and not force:
         return path
+    above = os.path.dirname(path)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise UserError(f"--cache-dir {root or cache_dir()}: {above} is a file, not a folder")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(path), prefix=".testbed-") as work:
         gguf = _fetch_gguf(os.path.join(work, "pkg"))
