@@ -461,7 +461,15 @@ def test_flags_that_would_be_ignored_or_misread_are_refused(folders, tmp_path, c
               "--draft-vocab-size 1000 exceeds the target vocabulary of 96"),
              (["testbed", "--cache-dir", os.path.join(draft, "config.json")], "is a file, not a folder"),
              (["serve", "--engine", "builtin", "--target", target, "--draft", "none", "--num-steps", "2", "--dry-run"],
-              "--num-steps shapes the draft tree")]
+              "--num-steps shapes the draft tree"),
+             (["serve", "--engine", "builtin", "--target", target, "--draft", "none", "--max-len", "100000",
+               "--dry-run"], "--max-len 100000 exceeds the target's context of 512 tokens"),
+             (["generate", "--target", target, "--prompt", "w1", "--limit", "2"],
+              "--limit applies to the rows of --prompts-file, not to one --prompt"),
+             (["generate", "--target", target, "--prompt", "w1", "--first-turn-only"],
+              "--first-turn-only applies to the rows of --prompts-file"),
+             (["regenerate", str(tmp_path / "p.jsonl"), "--server", "http://127.0.0.1:9/v1", "--write-every", "4",
+               "--out", str(tmp_path / "r.jsonl")], "--write-every sets up the in-process engine")]
     for argv, said in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -409,3 +409,13 @@ def test_sglang_exports_and_imports_carry_the_tuned_profile(tmp_path, draft, tar
     _, notes = export_draft(draft, "speculators", str(tmp_path / "v"), target=target)
     assert not (tmp_path / "v" / "spec_profile.json").exists()
     assert any("spec_profile.json was not copied: the speculators layout" in n for n in notes)
+
+
+def test_formats_that_need_a_target_say_so_before_reading_the_draft(tmp_path, draft, monkeypatch, capsys):
+    import sglang_eagle3.formats.cli as fcli
+    monkeypatch.setattr(fcli, "export_draft", lambda *a, **k: pytest.fail("converted before checking the flags"))
+    for fmt, said in (("eagle-official", "--format eagle-official needs --target: the authors' loader"),
+                      ("gguf", "--format gguf needs --target: llama.cpp's converter")):
+        err = one_line_error(capsys, ["export", "--draft", draft, "--format", fmt, "--out", str(tmp_path / fmt)])
+        assert said in err
+        assert not os.path.exists(tmp_path / fmt)

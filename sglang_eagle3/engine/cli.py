@@ -55,6 +55,10 @@ def check_args(a) -> SamplingParams:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty")
+    if a.prompt is not None:
+        given = [flag for flag, v in (("--limit", a.limit is not None), ("--first-turn-only", a.first_turn_only)) if v]
+        if given:
+            raise UserError(f"{given[0]} applies to the rows of --prompts-file, not to one --prompt")
     return SamplingParams.from_flags(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                      top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
 

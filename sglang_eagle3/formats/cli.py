@@ -40,6 +40,10 @@ def check_source(path: str, flag: str) -> None:
 def check_export_args(args) -> None:
     """Every flag of `eagle3 export` and the folders it names, before anything is read or converted."""
     check_source(args.draft, "--draft")
+    if args.format in ("eagle-official", "gguf") and not args.target:
+        raise UserError(f"--format {args.format} needs --target: " + (
+            "the authors' loader reads the token embedding from the draft, so the export writes the target's"
+            if args.format == "eagle-official" else "llama.cpp's converter reads the target's config and tokenizer"))
     if args.speculative_tokens is not None:
         if args.format != "speculators":
             raise UserError(f"--speculative-tokens is a speculators setting (vLLM's draft length); --format "

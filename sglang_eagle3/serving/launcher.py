@@ -137,6 +137,17 @@ def check_port_free(host: str, port: int) -> None:
     bind_port(host, port).close()
 
 
+def check_max_len(target: str, max_len: Optional[int]) -> None:
+    """--max-len is at most the target's context (a longer one would be cut down without a word)."""
+    if max_len is None:
+        return
+    from transformers import AutoConfig
+    tc = AutoConfig.from_pretrained(target)
+    ctx = getattr(getattr(tc, "text_config", tc), "max_position_embeddings", None)
+    if ctx and max_len > ctx:
+        raise UserError(f"--max-len {max_len} exceeds the target's context of {ctx} tokens")
+
+
 def check_passthrough(extra: list[str]) -> None:
     for token in extra:
         flag = token.split("=", 1)[0]
@@ -269,6 +280,7 @@ def serve_builtin(args, extra: list[str]) -> int:
         if settings.draft is None and "chooses no speculation" in settings.source:
             print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
         target = resolve_target(args.target)
+        check_max_len(target, args.max_len)
         if settings.draft and not args.skip_check:
             run_draft_check(target, settings.draft)
         state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)

@@ -292,8 +292,8 @@ def check_args(args) -> None:
         if not args.server.startswith(("http://", "https://")):
             raise UserError(f"--server {args.server}: expected a base URL such as http://127.0.0.1:30000/v1")
         engine_only = [flag for flag, v in (("--draft", args.draft), ("--num-steps", args.num_steps),
-                                            ("--topk", args.topk), ("--num-draft-tokens", args.num_draft_tokens))
-                       if v is not None]
+                                            ("--topk", args.topk), ("--num-draft-tokens", args.num_draft_tokens),
+                                            ("--write-every", args.write_every)) if v is not None]
         if engine_only:
             raise UserError(f"{engine_only[0]} sets up the in-process engine (--target); the server at --server "
                             "decodes with its own draft and tree")
