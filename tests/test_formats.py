@@ -346,7 +346,7 @@ def test_export_and_import_of_a_target_folder_say_so(tmp_path, target, capsys):
     assert sorted(os.listdir(tmp_path)) == ["target"]
 
 
-def test_speculative_tokens_are_checked_before_converting(tmp_path, draft, monkeypatch, capsys):
+def test_speculative_tokens_are_checked_before_converting(tmp_path, draft, target, monkeypatch, capsys):
     import sglang_eagle3.formats.cli as fcli
     monkeypatch.setattr(fcli, "export_draft", lambda *a, **k: pytest.fail("converted before checking the flags"))
     out = str(tmp_path / "o")
@@ -355,7 +355,7 @@ def test_speculative_tokens_are_checked_before_converting(tmp_path, draft, monke
     assert "--speculative-tokens must be >= 1, got 0" in err and "----" not in err       # no flattened table
     for fmt in ("sglang", "eagle-official", "gguf"):
         err = one_line_error(capsys, ["export", "--draft", draft, "--format", fmt, "--speculative-tokens", "5",
-                                      "--out", out])
+                                      "--target", target, "--out", out])
         assert f"--speculative-tokens is a speculators setting (vLLM's draft length); --format {fmt}" in err
     assert not os.path.exists(out)
 

@@ -14,7 +14,7 @@ from sglang_eagle3.engine.settings import (
     settings_from_args,
 )
 from sglang_eagle3.engine.verify import SamplingParams
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 
 def add_cli(sub) -> None:
@@ -50,9 +50,7 @@ def add_cli(sub) -> None:
 
 def check_args(a) -> SamplingParams:
     """Every flag, before any file or model is read."""
-    for flag, value in (("--batch-size", a.batch_size), ("--limit", a.limit)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    check_at_least(1, flags_of(a, "batch_size", "limit"))
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty")
     if a.prompt is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.formats.convert import FolderError, export_draft, import_draft
 from sglang_eagle3.formats.files import check_out
 from sglang_eagle3.formats.layouts import FORMATS, FormatError
@@ -48,8 +48,7 @@ def check_export_args(args) -> None:
         if args.format != "speculators":
             raise UserError(f"--speculative-tokens is a speculators setting (vLLM's draft length); --format "
                             f"{args.format} has no place for it")
-        if args.speculative_tokens < 1:
-            raise UserError(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}")
+        check_at_least(1, flags_of(args, "speculative_tokens"))
     if args.format != "gguf":
         check_out(args.out, args.force)
     elif os.path.exists(args.out) and not os.path.isdir(args.out):

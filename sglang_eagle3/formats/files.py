@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from sglang_eagle3.errors import UserError
-from sglang_eagle3.fileio import usual_permissions
+from sglang_eagle3.fileio import existing_ancestor, usual_permissions
 
 
 class FolderError(UserError, ValueError):
@@ -112,9 +112,7 @@ def check_out(out: str, overwrite: bool = False) -> None:
             raise FolderError(f"--out {out} already exists (pass --force to replace it)")
         if not os.path.isdir(out):
             raise FolderError(f"--out {out} is a file, not a folder")
-    above = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
+    above = existing_ancestor(out)
     if not os.path.isdir(above):
         raise FolderError(f"--out {out}: {above} is a file, not a folder")
     unwritable = [above] if not os.access(above, os.W_OK | os.X_OK) else []

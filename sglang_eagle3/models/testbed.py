@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from sglang_eagle3.errors import UserError
-from sglang_eagle3.fileio import file_sha256
+from sglang_eagle3.fileio import existing_ancestor, file_sha256
 from sglang_eagle3.models.config import check_target_folder
 from sglang_eagle3.paths import cache_dir
 
@@ -76,9 +76,7 @@ def prepare(root: str | None = None, force: bool = False) -> str:
     path = testbed_path(root)
     if is_ready(path) and not force:
         return path
-    above = os.path.dirname(path)
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
+    above = existing_ancestor(path)
     if not os.path.isdir(above):
         raise UserError(f"--cache-dir {root or cache_dir()}: {above} is a file, not a folder")
     os.makedirs(os.path.dirname(path), exist_ok=True)

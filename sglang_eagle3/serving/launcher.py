@@ -38,7 +38,7 @@ from sglang_eagle3.engine.settings import (
     settings_from_args,
 )
 from sglang_eagle3.engine.speculation import SpecConfig
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DEFAULT_SPEC = SpecConfig()
 BUILTIN_MAX_RUNNING = 32
@@ -100,10 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- checks before any work ---------------------------------------------------------------------------
 def check_args(args) -> None:
     """Every number this command takes, before anything loads."""
-    for flag, v in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
-                    ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):
-        if v is not None and v < 1:
-            raise UserError(f"{flag} must be >= 1, got {v}")
+    check_at_least(1, flags_of(args, "batch_size", "max_queue", "max_len", "cuda_graph_max_bs"))
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: a port is 1..65535")
     if args.target not in (None, "testbed"):

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 
+from sglang_eagle3.errors import check_at_least, flags_of
 from sglang_eagle3.training.data.build import LENGTH_POLICIES
 from sglang_eagle3.training.data.formats import FORMATS, DataError
 
@@ -62,9 +63,7 @@ def run_prepare(args) -> int:
         raise DataError(f"--min-distinct-ngrams must be in (0, 1], got {args.min_distinct_ngrams}")
     if args.cut_loops and args.min_distinct_ngrams is None:
         raise DataError("--cut-loops needs --min-distinct-ngrams (which rows count as looping)")
-    for flag, value in (("--max-rows", args.max_rows), ("--draft-vocab-size", args.draft_vocab_size)):
-        if value is not None and value < 1:
-            raise DataError(f"{flag} must be >= 1, got {value}")
+    check_at_least(1, flags_of(args, "max_rows", "draft_vocab_size"), DataError)
     if os.path.exists(args.out) and not args.overwrite:
         raise DataError(f"--out {args.out} exists; pass --overwrite to replace it")
     sources = parse_sources(args.inputs, args.format)

@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from sglang_eagle3.fileio import file_sha256, write_json
+from sglang_eagle3.errors import check_at_least
+from sglang_eagle3.fileio import existing_ancestor, file_sha256, write_json
 from sglang_eagle3.training.dump_reader import CONFIG, FORMAT_VERSION, MANIFEST, DumpError, HiddenStateDump, read_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -107,9 +108,7 @@ def human_bytes(n: float) -> str:
 def disk_estimate(num_tokens: int, hidden_size: int, num_aux: int, dtype: torch.dtype, out_dir: str) -> tuple[int, int]:
     """(estimated bytes of the whole dump, free bytes where it goes)."""
     need = num_tokens * bytes_per_token(hidden_size, num_aux, dtype)
-    probe = out_dir
-    while not os.path.exists(probe):
-        probe = os.path.dirname(os.path.abspath(probe))
+    probe = out_dir if os.path.exists(out_dir) else existing_ancestor(out_dir)
     return need, shutil.disk_usage(probe).free
 
 
@@ -259,10 +258,8 @@ def finalize(out_dir: str) -> Optional[dict]:
 def check_dump_args(out_dir: str, rows_per_shard: int, batch_tokens: int, rank: int, world_size: int,
                     overwrite: bool, reuse: Sequence[str]) -> None:
     """The settings of a dump, checked before the target loads (the command line) and again by dump_hidden_states."""
-    for flag, value in (("--rows-per-shard", rows_per_shard), ("--batch-tokens", batch_tokens),
-                        ("--world-size", world_size)):
-        if value < 1:
-            raise DumpError(f"{flag} must be >= 1, got {value}")
+    check_at_least(1, {"--rows-per-shard": rows_per_shard, "--batch-tokens": batch_tokens,
+                       "--world-size": world_size}, DumpError)
     if not 0 <= rank < world_size:
         raise DumpError(f"--rank {rank} must be in [0, --world-size {world_size})")
     if overwrite and world_size > 1:

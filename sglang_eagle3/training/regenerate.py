@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from sglang_eagle3.engine.settings import add_dtype_arg, add_spec_args
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 from sglang_eagle3.training.data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
 
@@ -277,10 +277,8 @@ def check_args(args) -> None:
     from sglang_eagle3.engine.verify import SamplingParams
     if (args.server is None) == (args.target is None):
         raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
-    for name in ("batch_size", "max_new_tokens", "concurrency", "write_every", "max_turns", "max_rows",
-                 "max_prompt_chars"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_at_least(1, flags_of(args, "batch_size", "max_new_tokens", "concurrency", "write_every", "max_turns",
+                               "max_rows", "max_prompt_chars"))
     for flag, value, ok, rule in (("--time-budget", args.time_budget, args.time_budget is None or args.time_budget > 0,
                                    "> 0 minutes"),
                                   ("--request-timeout", args.request_timeout, args.request_timeout > 0, "> 0 seconds"),

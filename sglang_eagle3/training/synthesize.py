@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from sglang_eagle3.engine.settings import add_dtype_arg
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
@@ -229,9 +229,8 @@ def check_args(args) -> None:
     """Every flag, before any file is read, removed or written."""
     from sglang_eagle3.engine.settings import check_device
     from sglang_eagle3.engine.verify import SamplingParams
-    for name in ("n", "batch_size", "max_new_tokens", "min_chars", "turns", "answer_max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_at_least(1, flags_of(args, "n", "batch_size", "max_new_tokens", "min_chars", "turns",
+                               "answer_max_new_tokens"))
     if not args.temperature > 0:
         raise UserError(f"--temperature must be > 0 (greedy decoding writes one prompt), got {args.temperature}")
     SamplingParams.from_flags(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

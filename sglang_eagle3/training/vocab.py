@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least
 
 VOCAB_FILE, REPORT_FILE = "draft_vocab.safetensors", "draft_vocab.json"
 CANDIDATE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 32768)
@@ -150,9 +150,7 @@ def build_vocab(data_dir: str, draft_vocab_size: int, vocab_size: Optional[int] 
     from sglang_eagle3.training.data.build import STATS_FILE, iter_tokenized, read_stats
     if not os.path.isfile(os.path.join(data_dir, STATS_FILE)):
         raise VocabError(f"{data_dir}: not a prepare-data folder (no {STATS_FILE}); run `eagle3 prepare-data` first")
-    for flag, value in (("--draft-vocab-size", draft_vocab_size), ("--vocab-size", vocab_size)):
-        if value is not None and value < 1:
-            raise VocabError(f"{flag} must be >= 1, got {value}")
+    check_at_least(1, {"--draft-vocab-size": draft_vocab_size, "--vocab-size": vocab_size}, VocabError)
     check_vocab_out(out_dir or data_dir, overwrite)
     if vocab_size is None:
         vocab_size = read_stats(data_dir).get("target_vocab_size")

@@ -6,7 +6,7 @@ import contextlib
 import os
 from typing import Optional
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")     # torch is imported only when a command runs
 
@@ -69,8 +69,7 @@ def run_dump(args) -> int:
     from sglang_eagle3.training.trainer.preflight import check_aux_layers, target_text_config
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    if args.max_rows is not None and args.max_rows < 1:
-        raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
+    check_at_least(1, flags_of(args, "max_rows"))
     check_dump_args(args.out, args.rows_per_shard, args.batch_tokens, rank, world, args.overwrite, args.reuse)
     device = resolve_device(check_device(args.device))
     aux = parse_layer_ids(args.aux_layer_ids)
@@ -185,13 +184,9 @@ def add_train_args(p) -> None:
 
 def train_config(args):
     from sglang_eagle3.training.trainer.run_config import TrainConfig
-    for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every",
-                 "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_every", "keep_every", "weight_decay", "feature_loss_weight"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    check_at_least(1, flags_of(args, "micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every",
+                               "eval_every", "keep_checkpoints"))
+    check_at_least(0, flags_of(args, "save_every", "keep_every", "weight_decay", "feature_loss_weight"))
     checks = [("--lr", args.lr, args.lr > 0, "> 0"),
               ("--warmup-ratio", args.warmup_ratio, 0 <= args.warmup_ratio < 1, "in [0, 1)"),
               ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
