@@ -147,7 +147,7 @@ endif
 ifeq ($(NPROC),1)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/eagle3 train $(TRAIN_ARGS) --backend ddp
 else
-	$(BIN)/eagle3 train $(TRAIN_ARGS) --check-only
+	WORLD_SIZE=$(NPROC) $(BIN)/eagle3 train $(TRAIN_ARGS) --check-only
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) train/train_eagle3.py \
 	    $(TRAIN_ARGS) --deepspeed-config train/ds_zero2.json
 endif

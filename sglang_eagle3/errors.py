@@ -15,6 +15,19 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit code 2."""
 
 
+def check_at_least(minimum, values: dict, error: type = UserError) -> None:
+    """values: {flag: value, or None when not given}; the first value below `minimum` is a one-line error naming its
+    flag (the check every command makes of its counts and sizes)."""
+    for flag, value in values.items():
+        if value is not None and value < minimum:
+            raise error(f"{flag} must be >= {minimum}, got {value}")
+
+
+def flags_of(args, *names: str) -> dict:
+    """{--flag-name: value} of argparse destinations, for check_at_least."""
+    return {"--" + name.replace("_", "-"): getattr(args, name) for name in names}
+
+
 def user_errors() -> tuple:
     """The exception types that mean "bad input", not "bug": reported in one line."""
     from safetensors import SafetensorError

@@ -39,6 +39,14 @@ def write_json(path: str, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def existing_ancestor(path: str) -> str:
+    """The nearest of path's folders above it that exists (where a file or folder made at path would go)."""
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    return above
+
+
 def current_umask() -> int:
     """The process umask (reading it means setting it, so it is set straight back)."""
     umask = os.umask(0)

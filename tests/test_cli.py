@@ -449,3 +449,86 @@ def test_host_kind_on_every_kind_the_profile_knows():
         seen.add(want)
     if {"amx_bf16", "avx512_bf16"} <= flags and "amx" in seen:     # an AMX host builds every kind the profile has
         assert profile_kinds - {"cuda", "cpu"} <= seen, (profile_kinds, seen)
+
+
+# ---- misuse: a folder of the wrong kind, a config field of the wrong type ---------------------------------
+def test_a_draft_given_as_target_or_a_target_as_draft_is_named_in_one_line(folders, capsys):
+    target, draft, _ = folders
+    cases = [(["generate", "--target", draft, "--prompt", "w1"], f"--target {draft} is an EAGLE-3 draft folder"),
+             (["generate", "--target", target, "--draft", target, "--prompt", "w1"],
+              f"--draft {target} is a target model folder"),
+             (["check-draft", "--draft", draft, "--target", draft], f"--target {draft} is an EAGLE-3 draft folder"),
+             (["check-draft", "--draft", target], f"--draft {target} is a target model folder"),
+             (["init-draft", "--target", draft, "--out", "/nonexistent/x"], "is an EAGLE-3 draft folder")]
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err, err
+
+
+BAD_FIELDS = [("draft_vocab_size", "abc", "is not a positive integer"), ("hidden_size", 0, "is not a positive integer"),
+              ("intermediate_size", 1.5, "is not a positive integer"), ("num_attention_heads", None, "missing"),
+              ("num_key_value_heads", True, "is not a positive integer"), ("head_dim", "16", "positive integer"),
+              ("vocab_size", -3, "is not a positive integer"), ("target_hidden_size", [64], "positive integer"),
+              ("max_position_embeddings", "long", "is not a positive integer"),
+              ("rms_norm_eps", "tiny", "is not a positive number"), ("rope_theta", -1, "is not a positive number"),
+              ("rope_scaling", "x", "is not an object"), ("torch_dtype", "int8", "is not one of"),
+              ("hidden_act", 5, "is not a string"), ("eos_token_id", "</s>", "is not a token id"),
+              ("bos_token_id", -1, "is not a token id"), ("fc_norm", "yes", "must be true or false"),
+              ("eagle_config", [1, 2], "is not an object"), ("num_hidden_layers", "1", "exactly 1 layer"),
+              ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, "x", 4]}, "not a list of non-negative")]
+
+
+@pytest.mark.parametrize("key,value,said", BAD_FIELDS, ids=[f"{k}={v!r}" for k, v, _ in BAD_FIELDS])
+def test_every_draft_config_field_is_type_checked_naming_file_and_key(folders, key, value, said):
+    from sglang_eagle3.models.config import ConfigError, Eagle3Config
+    _, draft, _ = folders
+    d = json.loads(open(os.path.join(draft, "config.json")).read())
+    d[key] = value
+    with pytest.raises(ConfigError) as e:
+        Eagle3Config.from_dict(d, where="D/config.json")
+    assert str(e.value).startswith("D/config.json: ") and key in str(e.value) and said in str(e.value), str(e.value)
+
+
+def test_generate_names_the_bad_draft_config_field(folders, tmp_path, capsys):
+    import shutil
+    target, draft, _ = folders
+    d = tmp_path / "d"
+    shutil.copytree(draft, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["draft_vocab_size"] = "abc"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", "--target", target, "--draft", str(d), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"eagle3 generate: error: {d}/config.json: draft_vocab_size='abc' is not a positive integer"
+
+
+def test_flags_that_would_be_ignored_or_misread_are_refused(folders, tmp_path, capsys):
+    """Tree flags without a draft, a --num-draft-tokens a chain would cut, a folder as prompts file, a draft vocabulary
+    larger than the target's and a file as --cache-dir: one line each, before any model loads."""
+    target, draft, _ = folders
+    cases = [(["generate", "--target", target, "--draft", "none", "--prompt", "w1", "--num-steps", "3"],
+              "--num-steps shapes the draft tree, but there is no draft"),
+             (["generate", "--target", target, "--prompt", "w1", "--topk", "2"], "--topk shapes the draft tree"),
+             (["generate", "--target", target, "--draft", draft, "--prompt", "w1", "--num-steps", "2", "--topk", "1",
+               "--num-draft-tokens", "8"], "--num-draft-tokens 8: a chain (topk 1) of 2 steps verifies 3 tokens"),
+             (["generate", "--target", target, "--draft", "none", "--prompts-file", str(tmp_path)],
+              f"prompts file {tmp_path} is a folder"),
+             (["init-draft", "--target", target, "--out", str(tmp_path / "d"), "--draft-vocab-size", "1000"],
+              "--draft-vocab-size 1000 exceeds the target vocabulary of 96"),
+             (["testbed", "--cache-dir", os.path.join(draft, "config.json")], "is a file, not a folder"),
+             (["serve", "--engine", "builtin", "--target", target, "--draft", "none", "--num-steps", "2", "--dry-run"],
+              "--num-steps shapes the draft tree"),
+             (["serve", "--engine", "builtin", "--target", target, "--draft", "none", "--max-len", "100000",
+               "--dry-run"], "--max-len 100000 exceeds the target's context of 512 tokens"),
+             (["generate", "--target", target, "--prompt", "w1", "--limit", "2"],
+              "--limit applies to the rows of --prompts-file, not to one --prompt"),
+             (["generate", "--target", target, "--prompt", "w1", "--first-turn-only"],
+              "--first-turn-only applies to the rows of --prompts-file"),
+             (["regenerate", str(tmp_path / "p.jsonl"), "--server", "http://127.0.0.1:9/v1", "--write-every", "4",
+               "--out", str(tmp_path / "r.jsonl")], "--write-every sets up the in-process engine")]
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)
+    assert not (tmp_path / "d").exists()

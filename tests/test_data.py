@@ -467,6 +467,18 @@ def test_cli_prepare_data_and_errors(tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"foo": 1}])
     assert main(["prepare-data", bad, "--target", str(tok_dir), "--out", str(tmp_path / "x"), "--quiet"]) == 2
     assert "bad.jsonl: row 1 matches no supported format" in capsys.readouterr().err
+    # numbers are checked before anything is read or written (a draft vocabulary larger than the target's used to
+    # be a traceback after the data set was written)
+    for extra, said in ((["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1, got 0"),
+                        (["--draft-vocab-size", "100000"], "--draft-vocab-size 100000 exceeds the target vocabulary"),
+                        (["--max-rows", "0"], "--max-rows must be >= 1, got 0")):
+        assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "y"), "--quiet",
+                     *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "y").exists()
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet"]) == 2
+    assert f"--out {out} exists; pass --overwrite" in capsys.readouterr().err
 
 
 # ---- the shared real training files ---------------------------------------------------------------

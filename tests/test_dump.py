@@ -255,3 +255,28 @@ def test_reuse_of_an_unfinished_or_missing_dump_names_the_flag(tiny, tmp_path):
     with pytest.raises(DumpError, match=r"--reuse .*nope: not a finished dump \(.*no manifest.json\)"):
         dump_hidden_states(target, make_rows(2), str(tmp_path / "d"), rows_per_shard=2, progress=False,
                            reuse=[str(tmp_path / "nope")], log=lambda *_: None)
+
+
+def test_cli_checks_its_flags_before_the_target_loads(tiny, tmp_path, capsys, monkeypatch):
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.models.target import TargetModel
+    path, _ = tiny
+    data = write_jsonl(tmp_path / "rows.jsonl", make_rows(4, seed=5))
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded first"))
+    out = tmp_path / "d"
+    base = ["dump-hidden-states", "--target", path, "--data", data, "--out", str(out), "--quiet"]
+    for extra, said in ((["--rows-per-shard", "0"], "--rows-per-shard must be >= 1, got 0"),
+                        (["--batch-tokens", "-5"], "--batch-tokens must be >= 1, got -5"),
+                        (["--max-rows", "0"], "--max-rows must be >= 1, got 0"),
+                        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+                        (["--world-size", "2", "--rank", "2"], "--rank 2 must be in [0, --world-size 2)"),
+                        (["--aux-layer-ids", "1,2,99"], f"--aux-layer-ids [1, 2, 99]: ids [99] are not layers of the "
+                                                        f"target's {LAYERS}"),
+                        (["--aux-layer-ids", "3,1,2"], "must be strictly increasing"),
+                        (["--aux-layer-ids", "1,x"], "--aux-layer-ids must be comma-separated integers"),
+                        (["--device", "cuda:7"], "--device cuda:7: "),
+                        (["--reuse", str(tmp_path / "nope")], "nope: not a finished dump (no manifest.json)")):
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (extra, err)
+    assert not out.exists()

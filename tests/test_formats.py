@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from sglang_eagle3.formats.check_draft import check_draft, has_errors
 from sglang_eagle3.formats.cli import add_cli
 from sglang_eagle3.formats.convert import export_draft, import_draft
+from sglang_eagle3.formats.files import FolderError
 from sglang_eagle3.formats.layouts import FORMATS, FormatError, detect_format, read_folder
 from sglang_eagle3.models.config import Eagle3Config
 from sglang_eagle3.models.draft import Eagle3DraftModel
@@ -280,7 +281,7 @@ def test_overwrite_needs_force(tmp_path, draft, target):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FolderError, match="already exists .pass --force to replace it."):
         export_draft(draft, "sglang", str(out))
     assert (out / "old.txt").exists()
     export_draft(draft, "sglang", str(out), overwrite=True)
@@ -326,3 +327,95 @@ def test_cli_errors_are_one_line(tmp_path, draft):
     assert main(["import", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert main(["export", "--draft", draft, "--format", "sglang", "--out", draft]) == 2   # exists
     assert not has_errors(check_draft(draft))                                                  # untouched
+
+
+# ---- misuse: flags checked before converting, nothing left behind, companion files ---------------------------
+def one_line_error(capsys, argv) -> str:
+    from sglang_eagle3.cli import main
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_export_and_import_of_a_target_folder_say_so(tmp_path, target, capsys):
+    for argv, flag in ((["export", "--draft", target, "--format", "sglang"], "--draft"),
+                       (["import", "--src", target], "--src")):
+        err = one_line_error(capsys, [*argv, "--out", str(tmp_path / "o")])
+        assert f"{flag} {target} is a target model folder (LlamaForCausalLM with {L} layers)" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_speculative_tokens_are_checked_before_converting(tmp_path, draft, target, monkeypatch, capsys):
+    import sglang_eagle3.formats.cli as fcli
+    monkeypatch.setattr(fcli, "export_draft", lambda *a, **k: pytest.fail("converted before checking the flags"))
+    out = str(tmp_path / "o")
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "speculators", "--speculative-tokens", "0",
+                                  "--out", out])
+    assert "--speculative-tokens must be >= 1, got 0" in err and "----" not in err       # no flattened table
+    for fmt in ("sglang", "eagle-official", "gguf"):
+        err = one_line_error(capsys, ["export", "--draft", draft, "--format", fmt, "--speculative-tokens", "5",
+                                      "--target", target, "--out", out])
+        assert f"--speculative-tokens is a speculators setting (vLLM's draft length); --format {fmt}" in err
+    assert not os.path.exists(out)
+
+
+def test_a_failed_check_after_converting_is_one_line_naming_the_finding(tmp_path, draft, capsys):
+    state = load_file(os.path.join(draft, "model.safetensors"))
+    state["d2t"][1] = state["d2t"][0] - 1
+    save_file(state, os.path.join(draft, "model.safetensors"))
+    err = one_line_error(capsys, ["import", "--src", draft, "--out", str(tmp_path / "o")])
+    assert "the converted draft fails check-draft: d2t: " in err and "------" not in err
+
+
+def test_force_onto_a_folder_it_cannot_write_is_refused_up_front(tmp_path, draft, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.abspath(p) == str(out) else real(p, mode))
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(out), "--force"])
+    assert f"--out {out}: no permission to write in {out} (the folder being replaced)" in err
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.abspath(p) == str(tmp_path) else real(p, mode))
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(tmp_path / "new")])
+    assert f"no permission to write in {tmp_path}" in err and "Errno" not in err
+    assert sorted(os.listdir(tmp_path)) == ["draft", "out", "target"] and os.listdir(out) == ["mine.txt"]
+
+
+def test_a_write_that_fails_at_the_swap_restores_the_old_folder(tmp_path, draft, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    real = os.replace
+
+    def replace(a, b):
+        if os.path.abspath(b) == str(out) and ".tmp-" in str(a):
+            raise PermissionError(13, "Permission denied", str(b))
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", replace)
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(out), "--force"])
+    assert f"--out {out}: cannot write it (Permission denied" in err and "[Errno" not in err
+    assert sorted(os.listdir(tmp_path)) == ["draft", "out", "target"] and os.listdir(out) == ["mine.txt"]
+
+
+def test_sglang_exports_and_imports_carry_the_tuned_profile(tmp_path, draft, target, capsys):
+    profile = '{"per_batch_size": {"1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}'
+    with open(os.path.join(draft, "spec_profile.json"), "w") as f:
+        f.write(profile)
+    export_draft(draft, "sglang", str(tmp_path / "s"))
+    assert (tmp_path / "s" / "spec_profile.json").read_text() == profile
+    import_draft(str(tmp_path / "s"), str(tmp_path / "back"))
+    assert (tmp_path / "back" / "spec_profile.json").read_text() == profile
+    _, notes = export_draft(draft, "speculators", str(tmp_path / "v"), target=target)
+    assert not (tmp_path / "v" / "spec_profile.json").exists()
+    assert any("spec_profile.json was not copied: the speculators layout" in n for n in notes)
+
+
+def test_formats_that_need_a_target_say_so_before_reading_the_draft(tmp_path, draft, monkeypatch, capsys):
+    import sglang_eagle3.formats.cli as fcli
+    monkeypatch.setattr(fcli, "export_draft", lambda *a, **k: pytest.fail("converted before checking the flags"))
+    for fmt, said in (("eagle-official", "--format eagle-official needs --target: the authors' loader"),
+                      ("gguf", "--format gguf needs --target: llama.cpp's converter")):
+        err = one_line_error(capsys, ["export", "--draft", draft, "--format", fmt, "--out", str(tmp_path / fmt)])
+        assert said in err
+        assert not os.path.exists(tmp_path / fmt)

@@ -222,3 +222,72 @@ def test_auto_picks_the_builtin_engine_without_a_gpu(capsys, folders, monkeypatc
     err = run_err(capsys, "--engine", "builtin", "--target", folders["target"], "--draft", folders["draft"],
                   "--tp-size", "2", "--dry-run")
     assert "unknown flags for the builtin engine: --tp-size 2" in err
+
+
+# ---- the port: checked before any banner, any model, any SGLang start -------------------------------------
+def test_port_and_host_are_checked_before_any_banner_or_model(capsys, folders, monkeypatch):
+    import socket
+
+    from sglang_eagle3.serving import server
+    monkeypatch.setattr(server, "build_state", lambda *a, **k: pytest.fail("the model loaded before the port check"))
+    monkeypatch.setattr(launcher, "check_runtime", lambda args: None)            # as on a GPU machine with SGLang
+    monkeypatch.setattr(launcher.subprocess, "call", lambda cmd: pytest.fail("SGLang started on a bad port"))
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        for argv, said in ((["--port", "99999"], "--port 99999: a port is 1..65535"),
+                           (["--port", "0"], "--port 0: a port is 1..65535"),
+                           (["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there (Address "
+                                                   "already in use); is a server already running on it?"),
+                           (["--host", "203.0.113.7", "--port", "30123"], "--host 203.0.113.7 --port 30123: cannot "
+                                                                          "listen there")):
+            for engine in ("builtin", "sglang"):
+                rc = eagle3_main(["serve", "--engine", engine, "--target", folders["target"], "--draft",
+                                  folders["draft"], "--skip-check", *argv])
+                out = capsys.readouterr()
+                assert rc == 2, (engine, argv, out.err)
+                assert out.out == "" and out.err.count("\n") == 1 and said in out.err, (engine, argv, out.err)
+                assert "serve:" not in out.err.split("error:")[1] and "curl" not in out.err       # no banner
+    finally:
+        busy.close()
+
+
+def test_the_builtin_server_listens_on_the_socket_it_checked(folders, monkeypatch, capsys, tmp_path):
+    """bind_port's socket is the one uvicorn serves on: the banner is printed only once the address is ours, and no
+    other process can take the port while the model loads."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from conftest import save_tiny_model_folder
+
+    from sglang_eagle3.engine.settings import Settings
+    from sglang_eagle3.serving.server import build_state, run_server
+    target = save_tiny_model_folder(tmp_path / "t")
+    sock = launcher.bind_port("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(Exception):
+        launcher.check_port_free("127.0.0.1", port)        # held: nobody else binds it meanwhile
+    servers = []
+
+    class Recording(uvicorn.Server):
+        def __init__(self, config):
+            super().__init__(config)
+            servers.append(self)
+    monkeypatch.setattr(uvicorn, "Server", Recording)
+    state = build_state(target, Settings("float32", None, None, None, "test"), 2, 8, 64, "tiny")
+    thread = threading.Thread(target=run_server, args=(state, "127.0.0.1", port), kwargs={"sock": sock}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not (servers and servers[0].started) and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
+        assert f"tiny on http://127.0.0.1:{port}/v1" in capsys.readouterr().out
+    finally:
+        servers[0].should_exit = True
+        thread.join(timeout=30)
+        sock.close()

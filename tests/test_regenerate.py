@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -306,3 +307,55 @@ def test_cli_server_down_is_one_line_error(chats, tmp_path, capsys):
                "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0", "--quiet"])
     assert rc == 2
     assert "APIConnectionError" in capsys.readouterr().err
+
+
+# ---- misuse: every flag before the model loads; an empty output protects nothing -----------------------
+def test_every_flag_is_checked_before_the_model_loads(tmp_path, chats, capsys, monkeypatch):
+    from conftest import save_tiny_model_folder
+
+    import sglang_eagle3.engine.loader as loader
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    monkeypatch.setattr(loader, "engine_from_settings", lambda *a, **k: pytest.fail("the model loaded first"))
+    capsys.readouterr()
+    out = tmp_path / "r.jsonl"
+    common = ["regenerate", chats, "--out", str(out), "--quiet"]
+    for extra, said in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+                        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+                        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                        (["--max-turns", "0"], "--max-turns must be >= 1, got 0"),
+                        (["--max-rows", "0"], "--max-rows must be >= 1, got 0"),
+                        (["--request-timeout", "0"], "--request-timeout must be > 0 seconds"),
+                        (["--device", "cuda:3"], "--device cuda:3: "),
+                        (["--model", "m"], "--model names a model on --server")):
+        assert main([*common, "--target", target, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (extra, err)
+    for extra, said in ((["--server", "localhost:30000"], "--server localhost:30000: expected a base URL"),
+                        (["--server", "http://127.0.0.1:9/v1", "--draft", "d"], "--draft sets up the in-process"),
+                        (["--server", "http://127.0.0.1:9/v1", "--max-retries", "-1"], "--max-retries must be >= 0")):
+        assert main([*common, *extra]) == 2, extra
+        assert said in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+    assert not os.path.exists(str(out) + ".settings.json")
+
+
+def test_a_rerun_over_an_empty_partial_file_takes_the_new_settings(tmp_path, chats, capsys):
+    """A run stopped before its first batch leaves an empty OUT.partial and its settings: nothing to protect, so a
+    rerun with other settings goes ahead (and records them); a partial file with rows is still protected."""
+    from conftest import save_tiny_model_folder
+
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    out = tmp_path / "r.jsonl"
+    (tmp_path / "r.jsonl.partial").write_text("")
+    (tmp_path / "r.jsonl.settings.json").write_text(json.dumps({"max_new_tokens": 512, "temperature": -1.0}))
+    common = ["regenerate", chats, "--target", target, "--out", str(out), "--max-rows", "2", "--max-turns", "1",
+              "--quiet"]
+    assert main([*common, "--max-new-tokens", "3"]) == 0, capsys.readouterr().err
+    assert len(read_out(out)) == 2
+    assert json.loads((tmp_path / "r.jsonl.settings.json").read_text())["max_new_tokens"] == 3
+    (tmp_path / "r.jsonl.partial").write_text(out.read_text())
+    out.unlink()
+    assert main([*common, "--max-new-tokens", "4"]) == 2
+    assert "holds rows made with other settings" in capsys.readouterr().err

@@ -171,7 +171,7 @@ def test_models_health_metrics(live):
 
 @pytest.mark.parametrize("body,status,param,phrase", [
     ('{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "w1"}]}, 400, "model", "not served here"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "w1"}]}, 404, "model", "not served here"),
     ({"model": "tiny", "messages": "hello"}, 400, "messages", "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": -3}, 400, "max_tokens", ">= 1"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 100000}, 400, "messages",
@@ -198,9 +198,35 @@ def test_models_health_metrics(live):
      "requires logprobs=true"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs", "[0, 20]"),
+    # a user message without text is refused, naming it (it used to be answered as an empty prompt)
+    ({"model": "tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content", "is null"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages[0].content", "is missing"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": []}]}, 400, "messages[0].content", "has no text"),
+    ({"model": "tiny", "messages": [{"role": "system", "content": "w2"}, {"role": "user", "content": "  "}]}, 400,
+     "messages[1].content", "has no text"),
+    # malformed content parts: a 400 naming the part (they used to be a 500)
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0].text", "must be a string, got missing"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "w1"},
+                                                                 {"type": "text", "text": None}]}]}, 400,
+     "messages[0].content[1].text", "must be a string, got null"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text", "must be a string, got number 5"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content[0].type", "only text parts"),
+    ({"model": "tiny", "messages": [{"role": "tool", "content": "w1"}]}, 400, "messages[0].role", "expected system"),
+    ({"model": "tiny", "messages": [{"role": 5, "content": "w1"}]}, 400, "messages[0].role", "valid string"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "temperature": float("nan")}, 400,
+     "temperature", "finite"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stream_options": {"include_usage": True}},
+     400, "stream_options", "only allowed with stream=true"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", ">= 1, got 0"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stop": [5]}, 400, "stop", "valid string"),
+    ('[1, 2]', 400, None, "request body must be a JSON object"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body, status, param, phrase):
-    data = body if isinstance(body, str) else json.dumps(body)
+    data = body if isinstance(body, str) else json.dumps(body)            # json.dumps writes NaN as NaN
     r = httpx.post(live.url + "/v1/chat/completions", content=data, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -431,3 +457,69 @@ def test_hybrid_server_matches_vanilla_and_pools_recent_requests(folders):
         assert len(pool.streams) >= len(prompts) and pool.total <= 4096
     finally:
         srv.close()
+
+
+# ---- misuse of the HTTP layer: OpenAI-shaped errors everywhere, never a 5xx for a client's mistake ---------
+@pytest.mark.parametrize("method,path,kw,status,phrase", [
+    ("GET", "/v1/chat/completions", {}, 405, "GET /v1/chat/completions: method not allowed; use POST"),
+    ("POST", "/v1/models", {"json": {}}, 405, "method not allowed; use GET"),
+    ("GET", "/v1/nothing", {}, 404, "no such route: GET /v1/nothing"),
+    ("POST", "/v1/chat/completions", {"content": json.dumps({"model": "tiny", "messages": [{"role": "user",
+                                                                                           "content": "w1"}]}),
+                                      "headers": {"Content-Type": "text/plain"}}, 415,
+     "Content-Type must be application/json, got text/plain"),
+    ("POST", "/v1/completions", {"content": b'{"model": "tiny", "prompt": "w1"}',
+                                 "headers": {"Content-Type": "application/x-www-form-urlencoded"}}, 415,
+     "Content-Type must be application/json"),
+    ("POST", "/v1/completions", {"content": b'\xff\xfe{"model": "tiny"}', "headers": {"Content-Type": "application/json"}},
+     400, "request body is not valid JSON (UTF-8)"),
+])
+def test_routes_methods_and_bodies_get_openai_errors(live, method, path, kw, status, phrase):
+    r = httpx.request(method, live.url + path, **kw)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and phrase in body["error"]["message"], body
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_over_the_servers_max_len_names_it(live):
+    """The live server holds 256 tokens a request (--max-len) of the target's 512-token context: a request over
+    256 is refused naming --max-len, not the target's context; a default max_tokens fits in what is left."""
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("w1"),
+                                                              "max_tokens": 10 ** 9})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "exceeds the 256 tokens a request may hold here (max_len: eagle3 serve --max-len; " \
+        "the target's context is 512)" in msg, msg
+    long = " ".join(["w3"] * 200)
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat(long),
+                                                              "extra": 1, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] + SPEC.num_draft_tokens <= 256
+
+
+def test_a_server_failure_is_an_openai_500_and_counted(live, monkeypatch):
+    from sglang_eagle3.serving import server
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+    errors = lambda: int(next(ln for ln in httpx.get(live.url + "/metrics").text.splitlines()  # noqa: E731
+                              if ln.startswith('eagle3_requests_total{status="error"}')).split()[-1])
+    before = errors()
+    monkeypatch.setattr(server, "sampling_params", boom)
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("w1")})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "RuntimeError: a bug" in r.json()["error"]["message"]
+    assert errors() == before + 1
+    monkeypatch.undo()
+    assert httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("w1"),
+                                                               "max_tokens": 2}).status_code == 200
+
+
+def test_any_seed_is_a_seed(live):
+    """OpenAI's seed is any integer: one past torch's 64 bits (and, for n > 1, the choices' derived seeds) used to
+    be a 500; the same seed repeats its answer."""
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 10 ** 25}
+    a = httpx.post(live.url + "/v1/completions", json=body)
+    b = httpx.post(live.url + "/v1/completions", json=body)
+    assert a.status_code == 200, a.text
+    assert [c["text"] for c in a.json()["choices"]] == [c["text"] for c in b.json()["choices"]]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -246,3 +248,25 @@ def test_a_corrupt_line_before_the_last_is_named(tmp_path):
                                               '{"id": "b", "turns": ["y"], "batch": 1}\n')
     with pytest.raises(UserError, match=r"p\.jsonl\.partial: line at byte 40 is not a synthesized prompt"):
         synthesize(FakeEngine(), 4, str(out), batch_size=4, progress=False)
+
+
+def test_flags_and_exclude_files_are_checked_before_anything_is_written_or_removed(tmp_path, capsys, monkeypatch):
+    from conftest import save_tiny_model_folder
+
+    import sglang_eagle3.engine.loader as loader
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    out = tmp_path / "p.jsonl"
+    out.write_text(json.dumps({"id": "mine", "turns": ["a prompt I keep"], "batch": 0}) + "\n")
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: pytest.fail("the model loaded first"))
+    common = ["synthesize-prompts", "--target", target, "--out", str(out), "--n", "4", "--quiet", "--overwrite"]
+    for extra, said in ((["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+                        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+                        (["--answer-temperature", "inf"], "--answer-temperature must be a finite number >= 0"),
+                        (["--device", "cuda:1"], "--device cuda:1: "),
+                        (["--exclude", str(tmp_path / "no.jsonl")], "no.jsonl does not exist")):
+        with pytest.raises(SystemExit) if extra[0] == "--dtype" else nullcontext():
+            assert main([*common, *extra]) == 2, extra
+        assert said in capsys.readouterr().err, extra
+    assert "a prompt I keep" in out.read_text()                 # --overwrite removed nothing: the run never began
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "target"]

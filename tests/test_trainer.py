@@ -393,8 +393,52 @@ def test_remap_vocab_command_cuts_a_draft_to_its_most_frequent_tokens(setup, tmp
     assert main(args) == 2 and "exists" in capsys.readouterr().err                        # never overwritten
     save_vocab(str(tmp_path / "w"), torch.tensor([1, src.config.vocab_size]), np.zeros(src.config.vocab_size + 1), {})
     bad = args[:4] + [str(tmp_path / "w" / "draft_vocab.safetensors")] + args[5:-1] + [str(tmp_path / "cut2")]
-    assert main(bad) == 2 and f"target id {src.config.vocab_size} >=" in capsys.readouterr().err
+    assert main(bad) == 2 and f"draft_to_target[1] = {src.config.vocab_size} is not a token of the target " \
+        f"vocabulary [0, {src.config.vocab_size})" in capsys.readouterr().err
     assert not (tmp_path / "cut2").exists()
+
+
+def bad_vocab_files(folder, vocab_size: int) -> dict:
+    """name -> (path, what the one-line error says) for draft vocabulary files remap-vocab and train must refuse."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    ids = torch.arange(20)
+    cases = {"negative id": ({"draft_to_target": torch.cat([torch.tensor([-1]), ids[1:]])},
+                             "draft_to_target[0] = -1 is not a token of the target vocabulary"),
+             "id past the vocabulary": ({"draft_to_target": torch.cat([ids[:-1], torch.tensor([vocab_size])])},
+                                        f"draft_to_target[19] = {vocab_size} is not a token"),
+             "no draft_to_target": ({"d2t": ids}, "no draft_to_target tensor (it holds d2t)"),
+             "empty": ({"draft_to_target": ids[:0]}, "draft_to_target is int64 [0]; expected a non-empty list"),
+             "floats": ({"draft_to_target": ids.float()}, "draft_to_target is float32 [20]"),
+             "repeated id": ({"draft_to_target": torch.cat([ids[:5], ids[:5]])}, "target id 0 appears 2 times")}
+    out = {}
+    for name, (tensors, said) in cases.items():
+        path = os.path.join(folder, name.replace(" ", "_") + ".safetensors")
+        save_file(tensors, path)
+        out[name] = (path, said)
+    path = os.path.join(folder, "text.safetensors")
+    with open(path, "w") as f:
+        f.write("not a safetensors file at all")
+    out["not safetensors"] = (path, f"--draft-vocab {path}: not a readable safetensors file")
+    return out
+
+
+def test_remap_vocab_refuses_a_bad_vocabulary_file_before_loading_anything(setup, tmp_path, capsys, monkeypatch):
+    from sglang_eagle3.cli import main
+    _, target, _, _ = setup
+    draft = Trainer(small_cfg(setup, tmp_path / "a", save_every=0, max_steps=1)).run()["export"]
+    vocab = Eagle3DraftModel.from_pretrained(draft).config.vocab_size
+    monkeypatch.setattr(Eagle3DraftModel, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded first"))
+    for name, (path, said) in bad_vocab_files(tmp_path / "v", vocab).items():
+        out = tmp_path / ("out_" + name.replace(" ", "_"))
+        assert main(["remap-vocab", "--draft", draft, "--draft-vocab", path, "--target", target,
+                     "--out", str(out)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and f"--draft-vocab {path}" in err, (name, err)
+        assert not out.exists()
+    assert main(["remap-vocab", "--draft", target, "--draft-vocab", path, "--target", target,
+                 "--out", str(tmp_path / "o")]) == 2
+    assert f"--draft {target} is a target model folder" in capsys.readouterr().err
 
 
 def test_remap_lm_head_recovers_an_affine_map():
@@ -445,6 +489,55 @@ def test_check_only_names_missing_inputs(setup, tmp_path, capsys):
     assert "--draft-vocab" in capsys.readouterr().err
     assert main([*base, "--data", dump]) == 0 and "inputs ok" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()
+
+
+def test_check_only_checks_what_the_run_will_before_any_worker_starts(setup, tmp_path, capsys, monkeypatch):
+    """A 3-row data set with the default --eval-rows 64 (and the other mistakes the run would find after its
+    DeepSpeed set-up) is refused by --check-only, and by a plain run before the trainer is built."""
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.training.trainer import loop
+    root, target, _, dump = setup
+    three = write_jsonl(tmp_path / "three.jsonl", make_rows(3, seed=1, lo=8, hi=12))
+    base = ["train", "--target", target, "--out", str(tmp_path / "run"), "--check-only"]
+
+    def refused(argv, said):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err, (argv, err)
+
+    refused([*base, "--data", three], "--eval-rows 64: --data has 3 rows, so at most 2 can be held out")
+    refused([*base, "--data", three, "--eval-rows", "1", "--micro-batch-size", "4"],
+            "2 training rows are fewer than one optimizer step needs (1 ranks x micro batch 4")
+    monkeypatch.setenv("WORLD_SIZE", "2")                      # what `make train NPROC=2` sets for --check-only
+    refused([*base, "--data", three, "--eval-rows", "1", "--grad-accum", "2"],
+            "2 training rows are fewer than one optimizer step needs (2 ranks x micro batch 1 x grad accum 2)")
+    monkeypatch.delenv("WORLD_SIZE")
+    refused([*base, "--data", dump, "--draft-vocab-size", "1000"], "--draft-vocab-size must be in [1, 64]")
+    refused([*base, "--data", dump, "--init-from", target], f"--init-from {target} is a target model folder")
+    refused([*base, "--data", three, "--eval-rows", "1", "--aux-layer-ids", "1,3,40"],
+            "--aux-layer-ids [1, 3, 40]: ids [40] are not layers of the target's 8")
+    refused([*base, "--data", dump, "--aux-layer-ids", "0,1,2"], "--aux-layer-ids [0, 1, 2] but the dump holds")
+    refused([*base, "--data", dump, "--save-every", "-1"], "--save-every must be >= 0, got -1")
+    refused([*base, "--data", dump, "--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1, got 0")
+    for name, (path, said) in bad_vocab_files(tmp_path / "v", 64).items():
+        refused([*base, "--data", dump, "--draft-vocab", path], said)
+    monkeypatch.setattr(loop, "Trainer", lambda cfg: pytest.fail("the trainer was built before the inputs were checked"))
+    refused([a for a in base if a != "--check-only"] + ["--data", three, "--backend", "ddp"], "--eval-rows 64")
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_only_refuses_a_resume_the_run_would_refuse(setup, tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    _, target, _, dump = setup
+    out = tmp_path / "run"
+    Trainer(small_cfg(setup, out, max_steps=2)).run()
+    args = ["train", "--target", target, "--data", dump, "--out", str(out), "--eval-rows", "4", "--ttt-length", "2",
+            "--draft-vocab-size", "48", "--backend", "ddp", "--resume", "--check-only"]
+    assert main([*args, "--max-steps", "2"]) == 0 and "inputs ok" in capsys.readouterr().out
+    assert main([*args, "--max-steps", "2", "--seed", "5"]) == 2
+    assert "cannot resume" in capsys.readouterr().err
+    assert main([*args, "--max-steps", "8"]) == 2
+    assert "finished its planned 2 steps" in capsys.readouterr().err
 
 
 def test_checkpoint_export_and_learning_curve(setup, tmp_path):

@@ -100,4 +100,31 @@ def test_cli_build_vocab(tmp_path, capsys):
     assert "draft vocab 8 of 64 target ids covers 20.00% of 40 assistant tokens" in capsys.readouterr().out
     assert load_vocab(str(tmp_path / "v"))["draft_to_target"].tolist() == list(range(8))
     assert main(["build-vocab", str(data), "--draft-vocab-size", "100"]) == 2
-    assert "draft_vocab_size must be in [1, 64]" in capsys.readouterr().err
+    assert "--draft-vocab-size 100 exceeds the target vocabulary of 64" in capsys.readouterr().err
+
+
+def test_build_vocab_refuses_to_replace_a_vocabulary_without_force(tmp_path, capsys):
+    """build-vocab follows the rule of every command: an existing output is refused, or replaced with --force."""
+    from sglang_eagle3.cli import main
+    data = tmp_path / "ds"
+    data.mkdir()
+    write_examples(str(data / "data.arrow"), [{"input_ids": list(range(40)), "loss_mask": [1] * 40,
+                                               "id": "a", "source": "s"}])
+    write_json(str(data / "stats.json"), {"target_vocab_size": 64})
+    out = tmp_path / "v"
+    assert main(["build-vocab", str(data), "--draft-vocab-size", "8", "--out", str(out)]) == 0
+    first = (out / "draft_vocab.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["build-vocab", str(data), "--draft-vocab-size", "16", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} already holds a draft vocabulary" in err and "--force" in err
+    assert (out / "draft_vocab.safetensors").read_bytes() == first
+    assert main(["build-vocab", str(data), "--draft-vocab-size", "16", "--out", str(out), "--force"]) == 0
+    assert load_vocab(str(out))["draft_to_target"].numel() == 16
+    for argv, said in ((["build-vocab", str(tmp_path / "nope"), "--draft-vocab-size", "8"], "not a prepare-data folder"),
+                       (["build-vocab", str(data), "--draft-vocab-size", "0", "--out", str(tmp_path / "w")],
+                        "--draft-vocab-size must be >= 1, got 0"),
+                       (["build-vocab", str(data), "--draft-vocab-size", "8", "--out", str(data / "stats.json")],
+                        "is a file, not a folder")):
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err

@@ -14,7 +14,7 @@ from sglang_eagle3.engine.settings import (
     settings_from_args,
 )
 from sglang_eagle3.engine.verify import SamplingParams
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 
 def add_cli(sub) -> None:
@@ -50,17 +50,15 @@ def add_cli(sub) -> None:
 
 def check_args(a) -> SamplingParams:
     """Every flag, before any file or model is read."""
-    for flag, value in (("--batch-size", a.batch_size), ("--limit", a.limit)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    check_at_least(1, flags_of(a, "batch_size", "limit"))
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty")
-    try:
-        return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                              top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
-    except ValueError as e:
-        raise UserError(str(e).replace("max_new_tokens", "--max-new-tokens").replace("temperature", "--temperature")
-                        .replace("top_p", "--top-p").replace("top_k", "--top-k")) from None
+    if a.prompt is not None:
+        given = [flag for flag, v in (("--limit", a.limit is not None), ("--first-turn-only", a.first_turn_only)) if v]
+        if given:
+            raise UserError(f"{given[0]} applies to the rows of --prompts-file, not to one --prompt")
+    return SamplingParams.from_flags(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                                     top_k=a.top_k, stop=a.stop, ignore_eos=a.ignore_eos, seed=a.seed)
 
 
 def conversations(a) -> list[list[str]]:

@@ -175,8 +175,7 @@ class SpeculativeEngine:
         sched = self.scheduler(bs, max_len)
         reqs = []
         for i, (p, x) in enumerate(zip(prompts, ids)):
-            seeded = params if params.seed is None or len(prompts) == 1 else \
-                SamplingParams(**{**params.__dict__, "seed": params.seed * 1_000_003 + i})   # one stream per prompt
+            seeded = params if len(prompts) == 1 else params.derived(i)     # one random stream per prompt
             reqs.append(sched.submit(Request(x, seeded, prompt=p)))
         sched.stats = SchedulerStats()
         sched.run_until_idle()

@@ -8,6 +8,7 @@ from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.settings import DTYPES, Settings, resolve_dtype
 from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
 from sglang_eagle3.errors import UserError
+from sglang_eagle3.models.config import check_draft_folder
 from sglang_eagle3.models.draft import CheckpointError, Eagle3DraftModel
 from sglang_eagle3.models.target import TargetModel
 from sglang_eagle3.models.testbed import resolve_target
@@ -17,6 +18,7 @@ def load_draft(path: str, dtype, device="cpu") -> Eagle3DraftModel:
     """A draft folder for the engine; unreadable files and invalid configs become one-line errors."""
     if not os.path.isdir(path):
         raise UserError(f"--draft {path}: no such folder")
+    check_draft_folder(path, "--draft")
     try:
         return Eagle3DraftModel.from_pretrained(path, dtype=dtype, device=device)
     except (TypeError, ValueError, KeyError) as e:

@@ -43,6 +43,8 @@ def row_turns(row, where: str) -> list[str]:
 
 def load_prompts(path: str, limit: int | None = None) -> list[list[str]]:
     """[[turn1, turn2, ...], ...] from a jsonl file; errors name the file and the line."""
+    if os.path.isdir(path):
+        raise PromptFileError(f"prompts file {path} is a folder; give a .jsonl file (one prompt row a line)")
     if not os.path.isfile(path):
         raise PromptFileError(f"prompts file {path} does not exist")
     out = []

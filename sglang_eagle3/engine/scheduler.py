@@ -151,16 +151,26 @@ class Scheduler:
         self._stop = False
 
     # ---- requests ------------------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        """Tokens one request may hold (prompt + answer + draft slots): the KV slots per request (max_len; eagle3
+        serve --max-len), at most the target's context."""
+        return min(self.max_len, self.context_len or self.max_len)
+
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
+        """RequestError naming the limit a request exceeds: the target's context, or max_len where that is lower."""
         if num_prompt == 0:
             raise RequestError("empty prompt (no tokens after tokenization)")
         need = num_prompt + max_new_tokens + self.tree_slots
-        if self.context_len and need > self.context_len:
-            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} "
-                               f"draft slots = {need} exceeds the target's context of {self.context_len} tokens")
-        if need > self.max_len:
-            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} "
-                               f"draft slots = {need} exceeds the {self.max_len} KV slots per request")
+        if need <= self.limit:
+            return
+        what = (f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} draft slots = "
+                f"{need}")
+        if self.context_len and self.context_len <= self.max_len:
+            raise RequestError(f"{what} exceeds the target's context of {self.context_len} tokens")
+        raise RequestError(f"{what} exceeds the {self.max_len} tokens a request may hold here (max_len: eagle3 serve "
+                           f"--max-len" + (f"; the target's context is {self.context_len}" if self.context_len else "")
+                           + ")")
 
     def submit(self, req: Request) -> Request:
         self.check_fits(len(req.prompt_ids), req.params.max_new_tokens)

@@ -87,6 +87,25 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     return "bfloat16" if fast else "float32"
 
 
+def check_device(name: str, flag: str = "--device") -> str:
+    """A --device before any model loads: auto, cpu, or cuda[:N] with that GPU visible (one line otherwise)."""
+    if name == "auto":
+        return name
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UserError(f"{flag} {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"{flag} {name}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise UserError(f"{flag} {name}: no CUDA GPU is visible on this machine")
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"{flag} {name}: this machine has {n} CUDA GPU(s) (cuda:0..cuda:{n - 1})")
+    return name
+
+
 def default_draft(draft: Optional[str], embedded_target: bool) -> Optional[str]:
     """--draft as given ('none': no draft), else the shipped draft when the target is the embedded one."""
     if draft is not None:
@@ -132,22 +151,23 @@ def _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_toke
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     dtype = resolve_dtype(dtype, device)
+    asked_none = draft == "none" or (draft is None and not embedded_target)
     draft = default_draft(draft, embedded_target) if drafter != "suffix" else None
+    explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
+                if v is not None}
     if draft is None:
         if profile and drafter != "suffix":
             raise UserError(f"--profile {profile}: a speculation profile needs a draft (--draft)")
+        if explicit and asked_none and drafter != "suffix":
+            raise UserError(f"--{next(iter(explicit)).replace('_', '-')} shapes the draft tree, but there is no draft "
+                            "(vanilla decoding): pass --draft, or leave the tree flags out")
         return Settings(dtype, None, None, None, "no draft", batch_size)
-    explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
-                if v is not None}
     table, where = load_profile(profile, draft, device)
     sampled = temperature > 0 and table is not None and table.sampled is not None
     if explicit:
         base = (table.measured_tree(batch_size, sampled) if table is not None else None) or SpecConfig()
-        try:
-            tree = SpecConfig(**{"num_steps": base.num_steps, "topk": base.topk,
-                                 "num_draft_tokens": base.num_draft_tokens, **explicit})
-        except ConfigError as e:
-            raise UserError(str(e)) from None
+        tree = explicit_tree({"num_steps": base.num_steps, "topk": base.topk,
+                              "num_draft_tokens": base.num_draft_tokens}, explicit)
         source = "flags " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in explicit.items()) + \
             (f" over {where}'s tree" if table is not None else "")
         return Settings(dtype, draft, tree, None, source, batch_size)
@@ -219,10 +239,22 @@ def fixed_tree(num_steps: Optional[int] = None, topk: Optional[int] = None,
     """The tree these flags name, the rest from SGLang's default 5/4/16 (no draft folder to take a profile from)."""
     given = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
              if v is not None}
+    d = SpecConfig()
+    return explicit_tree({"num_steps": d.num_steps, "topk": d.topk, "num_draft_tokens": d.num_draft_tokens}, given)
+
+
+def explicit_tree(base: dict, given: dict) -> SpecConfig:
+    """The tree of the flags given over `base`'s values. A chain (topk 1) verifies num_steps + 1 tokens: SGLang cuts
+    a larger num_draft_tokens down to that, so an explicit --num-draft-tokens it would cut is refused here."""
     try:
-        return SpecConfig(**given)
+        tree = SpecConfig(**{**base, **given})
     except ConfigError as e:
         raise UserError(str(e)) from None
+    if "num_draft_tokens" in given and tree.num_draft_tokens != given["num_draft_tokens"]:
+        raise UserError(f"--num-draft-tokens {given['num_draft_tokens']}: a chain (topk 1) of {tree.num_steps} steps "
+                        f"verifies {tree.num_draft_tokens} tokens; pass --num-draft-tokens {tree.num_draft_tokens} or "
+                        "more --num-steps / --topk")
+    return tree
 
 
 def settings_from_args(args, draft: Optional[str], batch_size: int = 1) -> Settings:

@@ -14,14 +14,17 @@ residual covers the rest. Children are distinct tokens (top-k of the draft), whi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
+from sglang_eagle3.errors import UserError
 from sglang_eagle3.kernels import decode as K
 
 MAX_TOP_LOGPROBS = 20
+SEED_SPACE = 2 ** 64                 # torch.Generator seeds: any int is taken modulo this
 
 
 @dataclass
@@ -38,8 +41,12 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            self.seed %= SEED_SPACE          # what torch's generator does with a negative seed; any int is one
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -52,6 +59,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def derived(self, i: int) -> "SamplingParams":
+        """The same parameters with the i-th seed derived from this one (None stays None): one random stream per
+        prompt of a batch or choice of a request, repeatable for a seeded request."""
+        return self if self.seed is None else replace(self, seed=derived_seed(self.seed, i))
+
+    @classmethod
+    def from_flags(cls, **values) -> "SamplingParams":
+        """SamplingParams from a command line's values; a bad one is a UserError naming its flag (--top-p, ...)."""
+        try:
+            return cls(**values)
+        except ValueError as e:
+            msg = str(e)
+            for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
+                msg = msg.replace(name, "--" + name.replace("_", "-"))
+            raise UserError(msg.replace("stop strings", "--stop strings")) from None
+
+
+def derived_seed(seed: int, i: int) -> int:
+    """Seed i of a family derived from `seed` (choice i of a request, prompt i of a batch, batch i of a run)."""
+    return (seed * 1_000_003 + i) % SEED_SPACE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -18,10 +18,12 @@ from dataclasses import asdict
 
 import torch
 
+from sglang_eagle3.errors import UserError
 from sglang_eagle3.formats import files, layouts, speculators
 from sglang_eagle3.formats.check_target import check_aux_ids, eagle_config, target_findings
 from sglang_eagle3.formats.files import TargetError, load_target_config
 from sglang_eagle3.formats.findings import ERROR, OK, WARN, Finding, Report, format_table, has_errors, positive_int
+from sglang_eagle3.models.config import check_draft_folder, folder_kind
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
@@ -251,6 +253,10 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
     if not os.path.isdir(draft_dir):
         r.add(ERROR, "folder", f"{draft_dir}: not a directory")
         return r.findings
+    kind, what = folder_kind(draft_dir)
+    if kind == "target":
+        r.add(ERROR, "format", f"{draft_dir} is a target model folder ({what}), not an EAGLE-3 draft")
+        return r.findings
     raw = None
     try:
         raw = files.read_config(draft_dir)
@@ -306,6 +312,9 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
 
 
 def _cli(args) -> int:
+    if not os.path.isdir(args.draft):
+        raise UserError(f"--draft {args.draft}: no such folder")
+    check_draft_folder(args.draft, "--draft")
     findings = check_draft(args.draft, args.target)
     bad = has_errors(findings)
     if args.json:

@@ -1,11 +1,14 @@
 """`eagle3 export` and `eagle3 import`: convert draft folders between layouts (atomic, validated)."""
 from __future__ import annotations
 
+import os
 import sys
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.formats.convert import FolderError, export_draft, import_draft
+from sglang_eagle3.formats.files import check_out
 from sglang_eagle3.formats.layouts import FORMATS, FormatError
+from sglang_eagle3.models.config import check_draft_folder
 
 
 def _report(out: str, fmt: str, findings, notes) -> None:
@@ -27,7 +30,33 @@ def _run(fn, *args, **kwargs):
         raise UserError(str(e)) from None
 
 
+def check_source(path: str, flag: str) -> None:
+    """The folder a conversion reads: it exists and is a draft's, not a target model's."""
+    if not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: no such folder")
+    check_draft_folder(path, flag)
+
+
+def check_export_args(args) -> None:
+    """Every flag of `eagle3 export` and the folders it names, before anything is read or converted."""
+    check_source(args.draft, "--draft")
+    if args.format in ("eagle-official", "gguf") and not args.target:
+        raise UserError(f"--format {args.format} needs --target: " + (
+            "the authors' loader reads the token embedding from the draft, so the export writes the target's"
+            if args.format == "eagle-official" else "llama.cpp's converter reads the target's config and tokenizer"))
+    if args.speculative_tokens is not None:
+        if args.format != "speculators":
+            raise UserError(f"--speculative-tokens is a speculators setting (vLLM's draft length); --format "
+                            f"{args.format} has no place for it")
+        check_at_least(1, flags_of(args, "speculative_tokens"))
+    if args.format != "gguf":
+        check_out(args.out, args.force)
+    elif os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a file, not a folder (gguf writes draft.gguf and target.gguf into it)")
+
+
 def _export(args) -> int:
+    check_export_args(args)
     if args.format == "gguf":
         from sglang_eagle3.formats.gguf import GGUFExportError, export_gguf
         try:
@@ -38,12 +67,14 @@ def _export(args) -> int:
               f"those layers, our ids {summary['our_layer_ids']}) and {summary['files'][1]}")
         return 0
     findings, notes = _run(export_draft, args.draft, args.format, args.out, target=args.target,
-                           speculative_tokens=args.speculative_tokens, overwrite=args.force)
+                           speculative_tokens=args.speculative_tokens or 3, overwrite=args.force)
     _report(args.out, args.format, findings, notes)
     return 0
 
 
 def _import(args) -> int:
+    check_source(args.src, "--src")
+    check_out(args.out, args.force)
     findings, notes = _run(import_draft, args.src, args.out, fmt=args.format, target=args.target,
                            overwrite=args.force)
     _report(args.out, "sglang", findings, notes)
@@ -58,8 +89,9 @@ def add_cli(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--target", default=None, help="target HF folder or hub id: validates the result and fills "
                                                    "speculators_config.verifier")
-    p.add_argument("--speculative-tokens", type=int, default=3,
-                   help="speculators only: proposal_methods[0].speculative_tokens, vLLM's default draft length")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="speculators only: proposal_methods[0].speculative_tokens, vLLM's default draft length "
+                        "(default 3)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_export)
 

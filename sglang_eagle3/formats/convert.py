@@ -5,12 +5,13 @@ and write atomically, validating the new folder before it replaces anything.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
 
 from sglang_eagle3.formats import eagle, files, speculators
-from sglang_eagle3.formats.check_draft import check_draft, format_table
+from sglang_eagle3.formats.check_draft import check_draft
 from sglang_eagle3.formats.files import FolderError  # noqa: F401  (re-exported for callers)
 from sglang_eagle3.formats.layouts import FORMATS, DraftFolder, FormatError, layout, read_folder  # noqa: F401
 
@@ -107,17 +108,44 @@ class _Validate:
         self.findings = check_draft(directory, self.target_view)
         errors = [f for f in self.findings if f.status == "ERROR"]
         if errors:
-            raise FormatError("the converted draft fails check-draft:\n" + format_table(errors))
+            raise FormatError("the converted draft fails check-draft: " +
+                              "; ".join(f"{f.check}: {f.detail}" for f in errors))
+
+
+PROFILE_FILE = "spec_profile.json"      # the draft's tuned tree shapes (engine/speculation.py reads it)
+
+
+def _companions(src: str, fmt: str, notes: list[str]) -> list[str]:
+    """Files beside the weights that go with the draft into a `fmt` folder: its tuned profile into our (SGLang)
+    layout, which our engine and `eagle3 serve` read; other layouts' runtimes do not read it (a note says so)."""
+    path = os.path.join(src, PROFILE_FILE)
+    if not os.path.isfile(path):
+        return []
+    if fmt == "sglang":
+        return [path]
+    notes.append(f"{PROFILE_FILE} was not copied: the {fmt} layout's runtimes do not read it")
+    return []
+
+
+def _write_with(write, companions: list[str]):
+    """fill(tmp) for write_folder_atomic: the converted files, then the companion files copied beside them."""
+    def fill(directory: str) -> None:
+        write(directory)
+        for path in companions:
+            shutil.copyfile(path, os.path.join(directory, os.path.basename(path)))
+    return fill
 
 
 def import_draft(src: str, out: str, fmt: str = "auto", target=None, overwrite: bool = False):
     """Convert any supported layout into ours at `out`. Returns (check-draft findings, notes)."""
+    files.check_out(out, overwrite)
     folder = read_folder(src, fmt)
     tview = _target_view(target)
     cfg, tensors, notes = to_ours(folder, tview)
     config, tensors, weights = eagle.from_ours("sglang", cfg.to_dict(), tensors)
     validate = _Validate(tview)
-    files.write_folder_atomic(out, lambda d: eagle.write(d, config, tensors, weights), overwrite, validate)
+    write = _write_with(lambda d: eagle.write(d, config, tensors, weights), _companions(src, "sglang", notes))
+    files.write_folder_atomic(out, write, overwrite, validate)
     return validate.findings, [f"read {folder.format} layout from {src}"] + notes
 
 
@@ -156,6 +184,7 @@ def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: 
         raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if os.path.realpath(out) == os.path.realpath(src):
         raise FormatError(f"--out {out} is the draft being exported: write the export to another folder")
+    files.check_out(out, overwrite)
     folder = read_folder(src, "auto")
     tview = _target_view(target)
     cfg, tensors, notes = to_ours(folder, tview)
@@ -176,5 +205,6 @@ def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: 
                 notes.append(f"aux layer ids {cfg.aux_layer_ids} differ from {default}: SGLang reads them from "
                              "eagle_config, but SafeAILab/EAGLE's own runtime always captures its default layers")
     validate = _Validate(tview)
-    files.write_folder_atomic(out, lambda d: layout(fmt).write(d, config, tensors, weights), overwrite, validate)
+    write = _write_with(lambda d: layout(fmt).write(d, config, tensors, weights), _companions(src, fmt, notes))
+    files.write_folder_atomic(out, write, overwrite, validate)
     return validate.findings, notes

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from sglang_eagle3.errors import UserError
-from sglang_eagle3.fileio import usual_permissions
+from sglang_eagle3.fileio import existing_ancestor, usual_permissions
 
 
 class FolderError(UserError, ValueError):
@@ -103,34 +103,62 @@ def save_json(d: dict, path: str) -> None:
         f.write("\n")
 
 
+def check_out(out: str, overwrite: bool = False) -> None:
+    """The folder a conversion will write, checked before any work: new, or replaced with --force; a folder (not a
+    file); and writable: its parent (or the nearest folder above that exists) and, when replaced, every folder in it
+    (its files are removed), so a conversion never fails at its last step."""
+    if os.path.exists(out):
+        if not overwrite:
+            raise FolderError(f"--out {out} already exists (pass --force to replace it)")
+        if not os.path.isdir(out):
+            raise FolderError(f"--out {out} is a file, not a folder")
+    above = existing_ancestor(out)
+    if not os.path.isdir(above):
+        raise FolderError(f"--out {out}: {above} is a file, not a folder")
+    unwritable = [above] if not os.access(above, os.W_OK | os.X_OK) else []
+    if os.path.isdir(out):
+        unwritable += [d for d, _, _ in os.walk(out) if not os.access(d, os.W_OK | os.X_OK)]
+    if unwritable:
+        raise FolderError(f"--out {out}: no permission to write in {unwritable[0]}" +
+                          (" (the folder being replaced)" if unwritable[0] != above else ""))
+
+
 def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool = False,
                         validate: Callable[[str], None] | None = None) -> None:
     """Build the folder in a temporary sibling, validate it, then move it to `out` in one rename.
 
     fill(tmp_dir) writes the files; validate(tmp_dir) may raise to abandon the write.
-    An existing `out` is replaced only with overwrite=True (the old folder is removed after the swap).
+    An existing `out` is replaced only with overwrite=True (moved aside, and removed once the new one is in place).
+    On any failure nothing is left behind: no temporary folder, and the old `out` where it was.
     """
+    check_out(out, overwrite)
     out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise FolderError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
+    old = None
     try:
         fill(tmp)
         _usual_permissions(tmp)
         if validate is not None:
             validate(tmp)
         if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.replace(out, os.path.join(old, "x"))
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
+            old = tmp.replace(".tmp-", ".old-")
+            os.replace(out, old)                   # a rename in the same folder: the old one stays whole
+        os.replace(tmp, out)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(out):
+            os.replace(old, out)                   # the old folder back where it was
+        if isinstance(e, OSError) and not isinstance(e, UserError):
+            raise FolderError(f"--out {out}: cannot write it ({e.strerror or e}"
+                              f"{': ' + str(e.filename) if e.filename else ''})") from None
         raise
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _usual_permissions(directory: str) -> None:

@@ -41,7 +41,11 @@ def init_draft(target: str, out: str, draft_vocab_size=None, seed: int = 0, dtyp
     from transformers import AutoConfig
 
     from sglang_eagle3.models.draft import Eagle3DraftModel
-    cfg = Eagle3Config.for_target(AutoConfig.from_pretrained(resolve_target(target)), draft_vocab_size=draft_vocab_size)
+    tc = AutoConfig.from_pretrained(resolve_target(target))
+    vocab = getattr(getattr(tc, "text_config", tc), "vocab_size", None)
+    if draft_vocab_size is not None and vocab and draft_vocab_size > vocab:
+        raise UserError(f"--draft-vocab-size {draft_vocab_size} exceeds the target vocabulary of {vocab}")
+    cfg = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab_size)
     torch.manual_seed(seed)
     model = Eagle3DraftModel(cfg)
     # An untrained draft's vocabulary: the lowest target ids (BPE vocabularies put frequent tokens first).

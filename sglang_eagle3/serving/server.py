@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_eagle3.engine.engine import encode_prompt, is_token_ids
 from sglang_eagle3.engine.scheduler import QueueFull, Request, RequestError, Scheduler
@@ -71,6 +73,11 @@ class Metrics:
     def rejected(self) -> None:
         with self.lock:
             self.requests["rejected"] += 1
+
+    def server_error(self) -> None:
+        """A request the server failed (an exception, not the client's mistake): counted with the errors."""
+        with self.lock:
+            self.requests["error"] += 1
 
     def text(self, load: dict) -> str:
         with self.lock:
@@ -134,7 +141,7 @@ class Handler:
 
     def check_model(self, name: str) -> None:
         if name != self.state.model_name:
-            raise APIError(400, f"model {name!r} is not served here (this server serves {self.state.model_name!r})",
+            raise APIError(404, f"model {name!r} is not served here (this server serves {self.state.model_name!r})",
                            "model", "model_not_found")
 
     def submit(self, prompt_ids: list[int], params: list[SamplingParams], prompt: Any, loop, queue) -> list[Request]:
@@ -196,18 +203,17 @@ def create_app(state: ServerState):
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return openai_error(e)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "json_invalid":
-            msg, param = f"request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None
-        else:
-            msg, param = f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
-        return JSONResponse(APIError(400, msg, param).body(), status_code=400)
+    async def validation_error(http: HTTPRequest, e: RequestValidationError):
+        return openai_error(request_error(http, e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: HTTPRequest, e: StarletteHTTPException):
+        return openai_error(route_error(http, e))
+
+    app.add_middleware(ServerErrors, metrics=state.metrics)
 
     @app.get("/health")
     async def health():
@@ -226,7 +232,7 @@ def create_app(state: ServerState):
     async def run(http: HTTPRequest, body, prompt, chat: bool):
         handler.check_model(body.model)
         prompt_ids = handler.tokenize(prompt)
-        params = sampling_params(body, len(prompt_ids), state.scheduler.context_len or state.scheduler.max_len, chat)
+        params = sampling_params(body, len(prompt_ids), state.scheduler.limit - state.scheduler.tree_slots, chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -344,6 +350,87 @@ def create_app(state: ServerState):
     return app
 
 
+# ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+def openai_error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def field_path(loc) -> str:
+    """pydantic's error location as a request path: ('body', 'messages', 0, 'role') -> messages[0].role (union
+    member tags such as 'list[str]' left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and str(part).isidentifier() and part not in ("str", "int", "float", "bool", "list",
+                                                                          "dict"):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def request_error(http: HTTPRequest, errors: list) -> APIError:
+    """A body FastAPI could not read as the route's request: the wrong Content-Type, not JSON, not an object, or a
+    field of the wrong type (named, with its path)."""
+    ctype = http.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        return APIError(415, f"Content-Type must be application/json, got {ctype or 'none'}", None,
+                        "unsupported_media_type")
+    first = errors[0] if errors else {}
+    path = field_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON (UTF-8): {first.get('ctx', {}).get('error', '')}")
+    if not path:
+        return APIError(400, f"request body must be a JSON object ({first.get('msg', 'invalid value')})")
+    return APIError(400, f"{path}: {first.get('msg', 'invalid value')}", path)
+
+
+def route_error(http: HTTPRequest, e) -> APIError:
+    """Starlette's 404 / 405 (and any other HTTP error) in OpenAI's shape, saying what is served."""
+    where = f"{http.method} {http.url.path}"
+    if e.status_code == 404:
+        return APIError(404, f"no such route: {where} (this server answers POST /v1/chat/completions, POST "
+                             "/v1/completions, GET /v1/models, GET /health, GET /metrics)", None, "unknown_url")
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("allow", (e.headers or {}).get("Allow", ""))
+        return APIError(405, f"{where}: method not allowed" + (f"; use {allowed}" if allowed else ""), None,
+                        "method_not_allowed", headers=e.headers)
+    if e.status_code == 400:                     # FastAPI's "There was an error parsing the body"
+        return APIError(400, f"request body is not valid JSON (UTF-8): {e.detail}")
+    return APIError(e.status_code, f"{where}: {e.detail}", headers=e.headers)
+
+
+class ServerErrors:
+    """ASGI middleware: an exception a route did not turn into an APIError is the server's failure, not the client's
+    mistake. It is counted on /metrics (requests_total{status="error"}), logged with its traceback and answered as an
+    OpenAI-style 500 (mid-stream, where a status can no longer be sent, the connection is closed)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as e:
+            self.metrics.server_error()
+            logging.getLogger("sglang_eagle3.server").exception("request %s %s failed", scope.get("method"),
+                                                                scope.get("path"))
+            if started:
+                return
+            body = json.dumps(APIError(500, f"internal server error ({type(e).__name__}: {e})", None, None,
+                                       "server_error").body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+
 # ---- building and running ---------------------------------------------------------------------------
 def build_state(target: str, settings, max_running: int, max_queue: int, max_len: Optional[int] = None,
                 model_name: Optional[str] = None) -> ServerState:
@@ -357,7 +444,6 @@ def build_state(target: str, settings, max_running: int, max_queue: int, max_len
     sched = Scheduler(engine.target, engine.draft, engine.spec, engine.profile, max_running=max_running,
                       max_len=max_len, max_queue=max_queue, eos_ids=eos_ids_of(engine.target),
                       drafting=engine.drafting)
-    sched.context_len = max_len
     name = model_name or os.path.basename(os.path.normpath(target))
     info = {"draft": os.path.abspath(settings.draft) if settings.draft else None, "dtype": settings.dtype,
             "max_running_requests": max_running, "context_length": max_len, "target_context_length": tctx,
@@ -365,14 +451,19 @@ def build_state(target: str, settings, max_running: int, max_queue: int, max_len
     return ServerState(sched, name, info)
 
 
-def run_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> int:
+def run_server(state: ServerState, host: str, port: int, log_level: str = "warning", sock=None) -> int:
+    """Serve until interrupted. sock: a socket already bound to host:port (launcher.bind_port), which uvicorn
+    listens on, so that the banner below is printed only for an address that is ours."""
     import uvicorn
     app = create_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    if sock is None:
+        sock = config.bind_socket()
     print(f"eagle3 serve: {state.model_name} on http://{host}:{port}/v1 (draft: {state.info.get('draft') or 'none'}, "
           f"{state.info['dtype']}, up to {state.info['max_running_requests']} running requests, "
           f"KV pool {state.info['kv_pool_mb']} MB)\n"
           f"  curl -s http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 64}}'", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from sglang_eagle3.errors import check_at_least, flags_of
 from sglang_eagle3.training.data.build import LENGTH_POLICIES
 from sglang_eagle3.training.data.formats import FORMATS, DataError
 
@@ -61,8 +63,13 @@ def run_prepare(args) -> int:
         raise DataError(f"--min-distinct-ngrams must be in (0, 1], got {args.min_distinct_ngrams}")
     if args.cut_loops and args.min_distinct_ngrams is None:
         raise DataError("--cut-loops needs --min-distinct-ngrams (which rows count as looping)")
+    check_at_least(1, flags_of(args, "max_rows", "draft_vocab_size"), DataError)
+    if os.path.exists(args.out) and not args.overwrite:
+        raise DataError(f"--out {args.out} exists; pass --overwrite to replace it")
     sources = parse_sources(args.inputs, args.format)
     tok, vocab = load_target_tokenizer(args.target)
+    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab:
+        raise DataError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target vocabulary of {vocab}")
     stats = prepare_dataset(sources, tok, args.out, max_length=args.max_length, length_policy=args.length_policy,
                             merge_system=args.merge_system, tool_role=args.tool_role,
                             skip_template_errors=args.skip_template_errors, max_rows=args.max_rows,
@@ -73,7 +80,7 @@ def run_prepare(args) -> int:
     print(f"wrote {args.out}")
     if args.draft_vocab_size:
         from sglang_eagle3.training.vocab import build_vocab, format_report
-        print(format_report(build_vocab(args.out, args.draft_vocab_size, vocab)))
+        print(format_report(build_vocab(args.out, args.draft_vocab_size, vocab, overwrite=True)))
     return 0
 
 
@@ -98,12 +105,13 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="target vocab size (default: from stats.json)")
     p.add_argument("--out", default=None, help="directory for draft_vocab.safetensors/.json (default: the data dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--force", action="store_true", help="replace a draft vocabulary already in --out")
 
 
 def run_vocab(args) -> int:
     from sglang_eagle3.training.vocab import build_vocab, format_report
     try:
-        report = build_vocab(args.data, args.draft_vocab_size, args.vocab_size, args.out)
+        report = build_vocab(args.data, args.draft_vocab_size, args.vocab_size, args.out, overwrite=args.force)
     except ValueError as e:
         raise DataError(str(e)) from None
     print(json.dumps(report, indent=2) if args.json else format_report(report))

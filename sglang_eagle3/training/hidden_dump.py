@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from sglang_eagle3.fileio import file_sha256, write_json
+from sglang_eagle3.errors import check_at_least
+from sglang_eagle3.fileio import existing_ancestor, file_sha256, write_json
 from sglang_eagle3.training.dump_reader import CONFIG, FORMAT_VERSION, MANIFEST, DumpError, HiddenStateDump, read_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -107,9 +108,7 @@ def human_bytes(n: float) -> str:
 def disk_estimate(num_tokens: int, hidden_size: int, num_aux: int, dtype: torch.dtype, out_dir: str) -> tuple[int, int]:
     """(estimated bytes of the whole dump, free bytes where it goes)."""
     need = num_tokens * bytes_per_token(hidden_size, num_aux, dtype)
-    probe = out_dir
-    while not os.path.exists(probe):
-        probe = os.path.dirname(os.path.abspath(probe))
+    probe = out_dir if os.path.exists(out_dir) else existing_ancestor(out_dir)
     return need, shutil.disk_usage(probe).free
 
 
@@ -256,6 +255,24 @@ def finalize(out_dir: str) -> Optional[dict]:
     return manifest
 
 
+def check_dump_args(out_dir: str, rows_per_shard: int, batch_tokens: int, rank: int, world_size: int,
+                    overwrite: bool, reuse: Sequence[str]) -> None:
+    """The settings of a dump, checked before the target loads (the command line) and again by dump_hidden_states."""
+    check_at_least(1, {"--rows-per-shard": rows_per_shard, "--batch-tokens": batch_tokens,
+                       "--world-size": world_size}, DumpError)
+    if not 0 <= rank < world_size:
+        raise DumpError(f"--rank {rank} must be in [0, --world-size {world_size})")
+    if overwrite and world_size > 1:
+        raise DumpError("--overwrite with --world-size > 1 would race: delete the --out directory first")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DumpError(f"--out {out_dir} is a file, not a folder")
+    for r in reuse:
+        if os.path.realpath(r) == os.path.realpath(out_dir):
+            raise DumpError(f"--reuse {out_dir} is the --out directory itself: reuse another, finished dump")
+        if not os.path.isfile(os.path.join(r, MANIFEST)):
+            raise DumpError(f"--reuse {r}: not a finished dump (no {MANIFEST})")
+
+
 def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per_shard: int = 256,
                        batch_tokens: int = 8192, dtype: torch.dtype = torch.bfloat16, rank: int = 0,
                        world_size: int = 1, overwrite: bool = False, check_disk: bool = True,
@@ -263,12 +280,7 @@ def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per
     """Dump this rank's shards (skipping finished ones); returns the manifest if the dump is now complete.
     reuse: finished dumps of the same target and settings whose rows are copied, not recomputed."""
     from tqdm import tqdm
-    if rows_per_shard < 1 or batch_tokens < 1:
-        raise DumpError("--rows-per-shard and --batch-tokens must be >= 1")
-    if overwrite and world_size > 1:
-        raise DumpError("--overwrite with --world-size > 1 would race: delete the --out directory first")
-    if any(os.path.realpath(r) == os.path.realpath(out_dir) for r in reuse):
-        raise DumpError(f"--reuse {out_dir} is the --out directory itself: reuse another, finished dump")
+    check_dump_args(out_dir, rows_per_shard, batch_tokens, rank, world_size, overwrite, reuse)
     if overwrite and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)

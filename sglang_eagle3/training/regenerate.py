@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from sglang_eagle3.engine.settings import add_dtype_arg, add_spec_args
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 from sglang_eagle3.training.data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
 
@@ -250,9 +250,10 @@ def run_settings(args) -> dict:
 
 
 def check_settings(out: str, settings: dict, overwrite: bool) -> None:
-    """Store the settings beside the output; refuse to add rows made another way to an existing output."""
+    """Store the settings beside the output; refuse to add rows made another way to an output that holds rows
+    (an empty one, say from a run stopped before its first batch, has nothing to protect)."""
     path = out + SETTINGS_SUFFIX
-    has_rows = os.path.exists(out) or os.path.exists(out + ".partial")
+    has_rows = any(os.path.isfile(f) and os.path.getsize(f) > 0 for f in (out, out + ".partial"))
     if os.path.exists(path) and has_rows and not overwrite:
         try:
             with open(path) as f:
@@ -270,17 +271,39 @@ def check_settings(out: str, settings: dict, overwrite: bool) -> None:
 
 
 # ---- command line ----------------------------------------------------------------------------
-def run(args) -> int:
+def check_args(args) -> None:
+    """Every flag, before any input is read, any model loads or any server is asked."""
+    from sglang_eagle3.engine.settings import check_device
+    from sglang_eagle3.engine.verify import SamplingParams
     if (args.server is None) == (args.target is None):
         raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
-    for name in ("batch_size", "max_new_tokens", "concurrency", "write_every"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    check_at_least(1, flags_of(args, "batch_size", "max_new_tokens", "concurrency", "write_every", "max_turns",
+                               "max_rows", "max_prompt_chars"))
+    for flag, value, ok, rule in (("--time-budget", args.time_budget, args.time_budget is None or args.time_budget > 0,
+                                   "> 0 minutes"),
+                                  ("--request-timeout", args.request_timeout, args.request_timeout > 0, "> 0 seconds"),
+                                  ("--max-retries", args.max_retries, args.max_retries >= 0, ">= 0")):
+        if not ok:
+            raise UserError(f"{flag} must be {rule}, got {value}")
+    SamplingParams.from_flags(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    if args.server:
+        if not args.server.startswith(("http://", "https://")):
+            raise UserError(f"--server {args.server}: expected a base URL such as http://127.0.0.1:30000/v1")
+        engine_only = [flag for flag, v in (("--draft", args.draft), ("--num-steps", args.num_steps),
+                                            ("--topk", args.topk), ("--num-draft-tokens", args.num_draft_tokens),
+                                            ("--write-every", args.write_every)) if v is not None]
+        if engine_only:
+            raise UserError(f"{engine_only[0]} sets up the in-process engine (--target); the server at --server "
+                            "decodes with its own draft and tree")
+    else:
+        check_device(args.device)
+        if args.model is not None:
+            raise UserError("--model names a model on --server; the in-process engine runs --target")
+
+
+def run(args) -> int:
+    check_args(args)
     stats = RegenStats()
-    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
-        raise UserError("--max-prompt-chars must be >= 1")
-    if args.time_budget is not None and args.time_budget <= 0:
-        raise UserError("--time-budget must be > 0 minutes")
     budget_s = None if args.time_budget is None else 60.0 * args.time_budget
     convs = load_conversations(args.inputs, args.format, args.max_rows, stats, args.max_prompt_chars)
     if os.path.exists(args.out) and not args.overwrite and all(c.key in _scan_partial(args.out) for c in convs):

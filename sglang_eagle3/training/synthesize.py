@@ -29,7 +29,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.engine.settings import add_dtype_arg
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
@@ -168,7 +169,7 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
     kept in OUT; returns counts."""
     from tqdm import tqdm
 
-    from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.engine.verify import SamplingParams, derived_seed
     flt, follow = flt or PromptFilter(), follow or FollowUps()
     prefix = pre_query_ids(engine.tokenizer, system)
     partial = out + ".partial"
@@ -183,7 +184,7 @@ def synthesize(engine, n: int, out: str, seed: int = 0, temperature: float = 1.0
                 tqdm(total=n, initial=min(n, len(rows)), desc="synthesizing", unit=" prompt",
                      disable=not progress) as bar:
             while len(rows) < n:
-                batch_seed = seed * 1_000_003 + batch
+                batch_seed = derived_seed(seed, batch)
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                         seed=batch_seed)
                 outs, _ = engine.generate([list(prefix)] * batch_size, params, batch_size=batch_size)
@@ -224,18 +225,30 @@ def run_settings(args) -> dict:
                 "answer_max_new_tokens": args.answer_max_new_tokens} if args.turns > 1 else {})}  # of one turn resume
 
 
+def check_args(args) -> None:
+    """Every flag, before any file is read, removed or written."""
+    from sglang_eagle3.engine.settings import check_device
+    from sglang_eagle3.engine.verify import SamplingParams
+    check_at_least(1, flags_of(args, "n", "batch_size", "max_new_tokens", "min_chars", "turns",
+                               "answer_max_new_tokens"))
+    if not args.temperature > 0:
+        raise UserError(f"--temperature must be > 0 (greedy decoding writes one prompt), got {args.temperature}")
+    SamplingParams.from_flags(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    try:
+        SamplingParams(temperature=args.answer_temperature)
+    except ValueError:
+        raise UserError(f"--answer-temperature must be a finite number >= 0, got {args.answer_temperature}") from None
+    check_device(args.device)
+
+
 def run(args) -> int:
     from sglang_eagle3.engine.prompts import load_prompts
     from sglang_eagle3.training.regenerate import check_settings
-    for name in ("n", "batch_size", "max_new_tokens", "min_chars", "turns", "answer_max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.temperature <= 0:
-        raise UserError(f"--temperature must be > 0 (greedy decoding writes one prompt), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.answer_temperature < 0:
-        raise UserError(f"--answer-temperature must be >= 0, got {args.answer_temperature}")
+    check_args(args)
+    flt = PromptFilter(min_chars=args.min_chars)
+    for path in args.exclude:                        # read before anything is removed: a bad path loses nothing
+        flt.exclude(t for turns in load_prompts(path) for t in turns)
     if os.path.exists(args.out) and not args.overwrite:
         with open(args.out, encoding="utf-8") as f:
             have = sum(1 for line in f if line.strip())
@@ -247,9 +260,6 @@ def run(args) -> int:
         for stale in (args.out, args.out + ".partial"):
             if os.path.exists(stale):
                 os.remove(stale)
-    flt = PromptFilter(min_chars=args.min_chars)
-    for path in args.exclude:
-        flt.exclude(t for turns in load_prompts(path) for t in turns)
     check_settings(args.out, run_settings(args), args.overwrite)   # a resumed run draws the same way
     from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.speculation import SpecConfig
@@ -283,7 +293,7 @@ def add_cli(sub) -> None:
     p.add_argument("--answer-max-new-tokens", type=int, default=512,
                    help="--turns > 1: an answer cut off here ends its conversation")
     p.add_argument("--batch-size", type=int, default=64, help="prompts drawn per batch")
-    p.add_argument("--dtype", default="auto", help="auto (default): bfloat16 where this CPU or GPU computes in it")
+    add_dtype_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--overwrite", action="store_true", help="draw a finished or partial OUT again")
     p.add_argument("--quiet", action="store_true")

@@ -15,6 +15,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from sglang_eagle3.errors import UserError, check_at_least
+
 VOCAB_FILE, REPORT_FILE = "draft_vocab.safetensors", "draft_vocab.json"
 CANDIDATE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 32768)
 
@@ -81,6 +83,46 @@ def save_vocab(directory: str, draft_to_target: torch.Tensor, counts: np.ndarray
     return path
 
 
+class VocabError(UserError, ValueError):
+    """A draft vocabulary file that cannot be used; the message names the flag, the file and the bad id."""
+
+
+def read_draft_to_target(path: str, vocab_size: int, flag: str = "--draft-vocab") -> torch.Tensor:
+    """draft_to_target [D] of a draft vocabulary file (or a folder holding draft_vocab.safetensors), checked before
+    any model loads: a readable safetensors file with a non-empty 1-D integer draft_to_target whose ids are
+    distinct tokens of the target's vocabulary [0, vocab_size)."""
+    from safetensors import safe_open
+    if os.path.isdir(path):
+        path = os.path.join(path, VOCAB_FILE)
+    if not os.path.isfile(path):
+        raise VocabError(f"{flag} {path}: no such file; build one with `eagle3 build-vocab`")
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            ids = f.get_tensor("draft_to_target") if "draft_to_target" in names else None
+    except Exception as e:  # safetensors raises several types for a file that is not one
+        raise VocabError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if ids is None:
+        raise VocabError(f"{flag} {path}: no draft_to_target tensor (it holds {', '.join(names) or 'nothing'}); "
+                         "`eagle3 build-vocab` writes draft vocabularies")
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise VocabError(f"{flag} {path}: draft_to_target is {str(ids.dtype).replace('torch.', '')} "
+                         f"{list(ids.shape)}; expected a non-empty list of integer target token ids")
+    ids = ids.long()
+    outside = ((ids < 0) | (ids >= vocab_size)).nonzero().flatten()
+    if len(outside):
+        i = int(outside[0])
+        raise VocabError(f"{flag} {path}: draft_to_target[{i}] = {int(ids[i])} is not a token of the target "
+                         f"vocabulary [0, {vocab_size}) ({len(outside)} such ids)")
+    uniq, counts = ids.unique(return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[counts > 1][0])
+        where = (ids == dup).nonzero().flatten().tolist()
+        raise VocabError(f"{flag} {path}: target id {dup} appears {len(where)} times in draft_to_target (at "
+                         f"{where[:4]}); a draft vocabulary lists distinct tokens")
+    return ids
+
+
 def load_vocab(path: str) -> dict[str, torch.Tensor]:
     """A draft_vocab.safetensors file (or a dir holding one) -> {draft_to_target, d2t, t2d, token_counts}."""
     from safetensors.torch import load_file
@@ -91,12 +133,32 @@ def load_vocab(path: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+def check_vocab_out(out_dir: str, overwrite: bool) -> None:
+    """Where a draft vocabulary goes: a folder (made if missing) without one already, unless it is to be replaced."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise VocabError(f"--out {out_dir} is a file, not a folder")
+    there = [f for f in (VOCAB_FILE, REPORT_FILE) if os.path.exists(os.path.join(out_dir, f))]
+    if there and not overwrite:
+        raise VocabError(f"{out_dir} already holds a draft vocabulary ({', '.join(there)}); pass --force to replace "
+                         "it, or --out another folder")
+
+
 def build_vocab(data_dir: str, draft_vocab_size: int, vocab_size: Optional[int] = None,
-                out_dir: Optional[str] = None) -> dict:
-    """Count a prepared dataset's assistant tokens, choose the draft vocab, save it; returns the report."""
-    from sglang_eagle3.training.data.build import iter_tokenized, read_stats
+                out_dir: Optional[str] = None, overwrite: bool = False) -> dict:
+    """Count a prepared dataset's assistant tokens, choose the draft vocab, save it; returns the report. An existing
+    vocabulary in the output folder is replaced only with overwrite (`--force`)."""
+    from sglang_eagle3.training.data.build import STATS_FILE, iter_tokenized, read_stats
+    if not os.path.isfile(os.path.join(data_dir, STATS_FILE)):
+        raise VocabError(f"{data_dir}: not a prepare-data folder (no {STATS_FILE}); run `eagle3 prepare-data` first")
+    check_at_least(1, {"--draft-vocab-size": draft_vocab_size, "--vocab-size": vocab_size}, VocabError)
+    check_vocab_out(out_dir or data_dir, overwrite)
     if vocab_size is None:
-        vocab_size = int(read_stats(data_dir)["target_vocab_size"])
+        vocab_size = read_stats(data_dir).get("target_vocab_size")
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise VocabError(f"{os.path.join(data_dir, STATS_FILE)}: target_vocab_size={vocab_size!r} is not a "
+                             "positive integer (pass --vocab-size)")
+    if draft_vocab_size > vocab_size:
+        raise VocabError(f"--draft-vocab-size {draft_vocab_size} exceeds the target vocabulary of {vocab_size}")
     counts = count_tokens(iter_tokenized(data_dir), vocab_size)
     if counts.sum() == 0:
         raise ValueError(f"{data_dir}: no assistant tokens to count")

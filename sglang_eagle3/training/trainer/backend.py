@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sglang_eagle3.models.config import ConfigError
+
 CONFIG_KEYS_WE_SET = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                       "gradient_clipping", "bf16", "fp16")
 
@@ -78,12 +80,17 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_device(name: str) -> torch.device:
-    """auto: this rank's GPU (LOCAL_RANK) where CUDA is available, else the CPU."""
+    """auto: this rank's GPU (LOCAL_RANK) where CUDA is available, else the CPU (and DeepSpeed's CPU accelerator,
+    which it would otherwise guess with a warning)."""
     if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+        device = torch.device(name)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        device = torch.device("cpu")
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return device
 
 
 def adamw(params, lr: float, weight_decay: float = 0.0, device: torch.device = torch.device("cpu")):
@@ -110,6 +117,16 @@ def deepspeed_available() -> bool:
         return True
     except Exception:
         return False
+
+
+def backend_name(name: str) -> str:
+    """--backend: auto = deepspeed where it imports, else ddp; deepspeed asked for but missing: a ConfigError."""
+    if name == "auto":
+        return "deepspeed" if deepspeed_available() else "ddp"
+    if name == "deepspeed" and not deepspeed_available():
+        raise ConfigError("--backend deepspeed but `import deepspeed` fails; pip install deepspeed or use "
+                          "--backend ddp")
+    return name
 
 
 def load_ds_config(path: Optional[str], zero_stage: int, micro_batch_size: int, grad_accum: int,

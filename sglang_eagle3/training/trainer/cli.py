@@ -6,7 +6,7 @@ import contextlib
 import os
 from typing import Optional
 
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")     # torch is imported only when a command runs
 
@@ -55,23 +55,29 @@ def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
 def run_dump(args) -> int:
     import torch
 
+    from sglang_eagle3.engine.settings import check_device
     from sglang_eagle3.models.target import TargetModel
     from sglang_eagle3.training.hidden_dump import (
         DTYPES,
         MANIFEST,
         DumpError,
+        check_dump_args,
         dump_hidden_states,
         human_bytes,
         load_token_rows,
     )
+    from sglang_eagle3.training.trainer.preflight import check_aux_layers, target_text_config
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(args.device)
+    check_at_least(1, flags_of(args, "max_rows"))
+    check_dump_args(args.out, args.rows_per_shard, args.batch_tokens, rank, world, args.overwrite, args.reuse)
+    device = resolve_device(check_device(args.device))
+    aux = parse_layer_ids(args.aux_layer_ids)
+    check_aux_layers(aux, target_text_config(args.target))
     tdtype = DTYPES[args.target_dtype] if args.target_dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = load_token_rows(args.data, args.max_rows)
-    target = TargetModel.from_pretrained(args.target, dtype=tdtype, device=device,
-                                         aux_layer_ids=parse_layer_ids(args.aux_layer_ids))
+    target = TargetModel.from_pretrained(args.target, dtype=tdtype, device=device, aux_layer_ids=aux)
     bad = [i for i, (ids, _) in enumerate(rows) if ids.max() >= target.vocab_size]
     if bad:
         raise DumpError(f"{args.data}: row {bad[0]} has token id {int(rows[bad[0]][0].max())} >= the target's "
@@ -167,8 +173,9 @@ def add_train_args(p) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
     g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
                    "metrics and draft and start again")
-    g.add_argument("--check-only", action="store_true", help="check the inputs (target, data, vocab, run folder) "
-                   "and exit: what `make train` runs before launching workers")
+    g.add_argument("--check-only", action="store_true", help="check every input as the run will (target, data rows and "
+                   "the held-out split for $WORLD_SIZE ranks, draft vocabulary, --init-from, run folder, resume) and "
+                   "exit: what `make train` runs before launching workers")
     g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
     g.add_argument("--no-tensorboard", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -177,9 +184,9 @@ def add_train_args(p) -> None:
 
 def train_config(args):
     from sglang_eagle3.training.trainer.run_config import TrainConfig
-    for name in ("micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every", "eval_every"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_at_least(1, flags_of(args, "micro_batch_size", "grad_accum", "ttt_length", "max_length", "log_every",
+                               "eval_every", "keep_checkpoints"))
+    check_at_least(0, flags_of(args, "save_every", "keep_every", "weight_decay", "feature_loss_weight"))
     checks = [("--lr", args.lr, args.lr > 0, "> 0"),
               ("--warmup-ratio", args.warmup_ratio, 0 <= args.warmup_ratio < 1, "in [0, 1)"),
               ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
@@ -214,29 +221,15 @@ def train_config(args):
         verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
 
 
-def check_inputs(cfg) -> None:
-    """Cheap checks before any worker starts: one line naming the bad input instead of a worker traceback."""
-    from sglang_eagle3.training.dump_reader import MANIFEST
-    from sglang_eagle3.training.trainer.run_folder import check_run_folder
-    if not os.path.exists(cfg.data):
-        raise UserError(f"--data {cfg.data}: no such file or folder (make data / make dump first?)")
-    if os.path.isdir(cfg.data) and not (os.path.isfile(os.path.join(cfg.data, MANIFEST)) or
-                                        os.path.isfile(os.path.join(cfg.data, "data.arrow"))):
-        raise UserError(f"--data {cfg.data}: neither a hidden-state dump ({MANIFEST}) nor a prepare-data folder")
-    for flag, path in (("--draft-vocab", cfg.draft_vocab), ("--init-from", cfg.init_from),
-                       ("--eval-data", cfg.eval_data), ("--draft-config", cfg.draft_config)):
-        if path and not os.path.exists(path):
-            raise UserError(f"{flag} {path}: no such file or folder")
-    check_run_folder(cfg)
-
-
 def run_train(args) -> int:
-    from sglang_eagle3.training.trainer.loop import Trainer
+    from sglang_eagle3.training.trainer.preflight import check_inputs
     cfg = train_config(args)
-    check_inputs(cfg)
+    with value_errors_as_user_errors():
+        check_inputs(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.check_only:
         print(f"train: inputs ok ({cfg.data} -> {cfg.out})")
         return 0
+    from sglang_eagle3.training.trainer.loop import Trainer
     with value_errors_as_user_errors():
         Trainer(cfg).run()
     return 0

@@ -5,12 +5,15 @@ the target computes the features for each batch. Either way a row is a dict of p
 """
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
+from sglang_eagle3.models.config import ConfigError
 from sglang_eagle3.training.dump_reader import MANIFEST, HiddenStateDump
 from sglang_eagle3.training.hidden_dump import load_token_rows
 
@@ -46,7 +49,8 @@ def token_rows(data, idx) -> list[tuple[np.ndarray, np.ndarray]]:
 def split_indices(num_rows: int, eval_rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Hold out `eval_rows` rows chosen by a seeded permutation -> (train indices, eval indices), both sorted."""
     if not 0 <= eval_rows < num_rows:
-        raise ValueError(f"--eval-rows {eval_rows} must be in [0, {num_rows}) (rows in the data)")
+        raise ValueError(f"--eval-rows {eval_rows}: --data has {num_rows} rows, so at most {num_rows - 1} can be "
+                         "held out for eval (a lower --eval-rows, or --eval-data)")
     perm = np.random.default_rng(seed).permutation(num_rows)
     return np.sort(perm[eval_rows:]), np.sort(perm[:eval_rows])
 
@@ -88,6 +92,49 @@ class StepSampler:
             s = (a * self.world + self.rank) * self.micro
             out.append([int(i) for i in chunk[s:s + self.micro]])
         return out
+
+
+@dataclass
+class RowPlan:
+    """Which rows a run trains and evaluates on: the data, its held-out rows and the step order."""
+    data: object
+    mode: str                    # "offline" (a hidden-state dump) | "online" (token rows)
+    eval_data: object
+    train_idx: np.ndarray
+    eval_idx: np.ndarray
+    sampler: StepSampler
+
+    def total_steps(self, cfg) -> int:
+        return cfg.max_steps or max(1, math.ceil(cfg.epochs * self.sampler.steps_per_epoch))
+
+
+def plan_rows(cfg, world: int, rank: int, verify: str = "sha256", progress: bool = False) -> RowPlan:
+    """Open --data (and --eval-data), hold out --eval-rows and lay out the steps; ValueError / ConfigError name the
+    flag when the rows cannot serve (fewer rows than held out, fewer training rows than one step needs, ...)."""
+    part = (rank, world)
+    data, mode = open_rows(cfg.data, verify, progress, part)
+    if cfg.eval_data:
+        eval_data, eval_mode = open_rows(cfg.eval_data, verify, False, part)
+        if eval_mode != mode:
+            raise ConfigError(f"--eval-data {cfg.eval_data} is {eval_mode} data but --data is {mode}")
+        train_idx, eval_idx = np.arange(len(data)), np.arange(len(eval_data))
+    else:
+        eval_data = data
+        train_idx, eval_idx = split_indices(len(data), cfg.eval_rows, cfg.seed)
+    sampler = StepSampler(train_idx, world, rank, cfg.micro_batch_size, cfg.grad_accum, cfg.seed,
+                          cfg.data_start_step)
+    return RowPlan(data, mode, eval_data, train_idx, eval_idx, sampler)
+
+
+def check_dump_fits(dump, target_config, cfg) -> None:
+    """A hidden-state dump must come from this target (hidden size, vocabulary) and, with fused features, hold the
+    layers --aux-layer-ids names."""
+    tc = getattr(target_config, "text_config", target_config)
+    if (dump.hidden_size, dump.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ConfigError(f"--data {cfg.data} was dumped from a target with hidden {dump.hidden_size}, vocab "
+                          f"{dump.vocab_size}; --target {cfg.target} has {tc.hidden_size}, {tc.vocab_size}")
+    if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != dump.aux_layer_ids and cfg.features == "fused":
+        raise ConfigError(f"--aux-layer-ids {cfg.aux_layer_ids} but the dump holds layers {dump.aux_layer_ids}")
 
 
 def eval_rows_of_rank(eval_idx: np.ndarray, world_size: int, rank: int) -> list[tuple[int, bool]]:

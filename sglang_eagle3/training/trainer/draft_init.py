@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -49,11 +50,23 @@ def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, path: str, n
 
 
 def read_draft_vocab(path: str, vocab_size: int) -> torch.Tensor:
-    """--draft-vocab FILE -> draft_to_target [D]; every id must be a token of the target's vocabulary."""
-    from sglang_eagle3.training.vocab import load_vocab
-    ids = load_vocab(path)["draft_to_target"].long()
-    if int(ids.max()) >= vocab_size:
-        raise ConfigError(f"--draft-vocab {path} has target id {int(ids.max())} >= the target vocab {vocab_size}")
+    """--draft-vocab FILE -> draft_to_target [D]: distinct tokens of the target's vocabulary (vocab.py checks)."""
+    from sglang_eagle3.training.vocab import read_draft_to_target
+    return read_draft_to_target(path, vocab_size, "--draft-vocab")
+
+
+def given_draft_vocab(cfg, vocab_size: int) -> Optional[torch.Tensor]:
+    """--draft-vocab's ids (checked, and against --draft-vocab-size), else None; --draft-vocab-size must be a size
+    of the target's vocabulary. The run and `train --check-only` both check through here."""
+    if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= vocab_size:
+        raise ConfigError(f"--draft-vocab-size must be in [1, {vocab_size}] (the target's vocabulary), got "
+                          f"{cfg.draft_vocab_size}")
+    if not cfg.draft_vocab:
+        return None
+    ids = read_draft_vocab(cfg.draft_vocab, vocab_size)
+    if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
+        raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has {ids.numel()} ids, --draft-vocab-size "
+                          f"says {cfg.draft_vocab_size}")
     return ids
 
 
@@ -61,11 +74,8 @@ def draft_vocab_ids(cfg, data, train_idx, vocab_size: int, rank: int) -> torch.T
     """-> draft_to_target [D]: --draft-vocab's ids, or the --draft-vocab-size most frequent ids of the training
     rows (chosen on rank 0, saved in the run folder and reused on resume), or the full vocabulary."""
     from sglang_eagle3.training.vocab import count_tokens, format_report, load_vocab, save_vocab, select_draft_vocab
-    if cfg.draft_vocab:
-        ids = read_draft_vocab(cfg.draft_vocab, vocab_size)
-        if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
-            raise ConfigError(f"--draft-vocab {cfg.draft_vocab} has {ids.numel()} ids, --draft-vocab-size "
-                              f"says {cfg.draft_vocab_size}")
+    ids = given_draft_vocab(cfg, vocab_size)
+    if ids is not None:
         return ids
     if not cfg.draft_vocab_size or cfg.draft_vocab_size == vocab_size:
         return torch.arange(vocab_size)
@@ -141,19 +151,27 @@ def build_draft(cfg, hf_config, aux_ids: list[int], embed: nn.Module, lm_head: n
 
 def remap_vocab(draft_dir: str, vocab_path: str, target: str, out: str) -> str:
     """`eagle3 remap-vocab`: a trained draft moved to another draft vocabulary without training (e.g. cut back to
-    its most frequent tokens: a smaller output head costs less per draft step)."""
+    its most frequent tokens: a smaller output head costs less per draft step). Every input is checked before any
+    weights load: --out new, --draft a draft, --draft-vocab's ids, --target's vocabulary."""
     import copy
+
+    from transformers import AutoConfig
 
     from sglang_eagle3.models.target_head import load_target_head
     if os.path.exists(out):
         raise ConfigError(f"--out {out} exists; give a new folder (a draft is never overwritten)")
+    if not os.path.isdir(draft_dir):
+        raise ConfigError(f"--draft {draft_dir}: no such folder")
+    config = Eagle3Config.load(draft_dir, "--draft")
+    ids = read_draft_vocab(vocab_path, config.vocab_size)
+    tc = AutoConfig.from_pretrained(target)
+    target_vocab = getattr(getattr(tc, "text_config", tc), "vocab_size", None)
+    if target_vocab != config.vocab_size:
+        raise ConfigError(f"--target {target} has a vocabulary of {target_vocab} tokens; the draft {draft_dir} was "
+                          f"trained for {config.vocab_size}")
     stored = Eagle3DraftModel.from_pretrained(draft_dir)
     dtype, init = stored.fc.weight.dtype, stored.float()                # the folder's own dtype is kept
-    ids = read_draft_vocab(vocab_path, init.config.vocab_size)
     _, _, lm_head = load_target_head(target, torch.float32, torch.device("cpu"))
-    if lm_head.weight.shape[0] != init.config.vocab_size:
-        raise ConfigError(f"--target {target} has a vocabulary of {lm_head.weight.shape[0]} tokens; the draft "
-                          f"{draft_dir} was trained for {init.config.vocab_size}")
     config = copy.deepcopy(init.config)
     config.draft_vocab_size = len(ids)
     new = Eagle3DraftModel(config)

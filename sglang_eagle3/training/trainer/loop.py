@@ -6,14 +6,12 @@ Launch on GPUs with `deepspeed --num_gpus N train/train_eagle3.py ...` (ZeRO 1/2
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
 from dataclasses import asdict
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,7 +21,7 @@ from sglang_eagle3.models.draft import Eagle3DraftModel
 from sglang_eagle3.models.target_head import load_target_head
 from sglang_eagle3.training.trainer import backend as B
 from sglang_eagle3.training.trainer.backend import compute_dtype, init_distributed, pick_device
-from sglang_eagle3.training.trainer.data import StepSampler, collate, eval_rows_of_rank, open_rows, pack, split_indices
+from sglang_eagle3.training.trainer.data import check_dump_fits, collate, eval_rows_of_rank, pack, plan_rows
 from sglang_eagle3.training.trainer.draft_init import build_draft
 from sglang_eagle3.training.trainer.logs import PLOT_FILE, MetricsLogger, plot_curves
 from sglang_eagle3.training.trainer.run_config import TrainConfig
@@ -34,7 +32,7 @@ from sglang_eagle3.training.trainer.run_folder import (
     check_run_folder,
     clear_run_folder,
     latest_checkpoint,
-    step_rows,
+    run_state,
     write_checkpoint,
 )
 from sglang_eagle3.training.ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
@@ -65,15 +63,9 @@ class Trainer:
         if cfg.features not in FEATURES:
             raise ConfigError(f"--features must be one of {FEATURES}, got {cfg.features!r}")
         self.device = pick_device(cfg.device)
-        if self.device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        else:
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.backend_name = cfg.backend if cfg.backend != "auto" else (
-            "deepspeed" if B.deepspeed_available() else "ddp")
-        if self.backend_name == "deepspeed" and not B.deepspeed_available():
-            raise ConfigError("--backend deepspeed but `import deepspeed` fails; pip install deepspeed "
-                              "or use --backend ddp")
+        self.backend_name = B.backend_name(cfg.backend)
         init_distributed(self.backend_name == "deepspeed", self.device)
         self.rank, self.world = B.rank(), B.world_size()
         self.dtype = compute_dtype(cfg.dtype, self.device)     # bf16: autocast over fp32 master weights
@@ -92,19 +84,10 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         cfg = self.cfg
-        part = (self.rank, self.world)
-        self.data, self.mode = open_rows(cfg.data, cfg.verify_dumps, self.rank == 0 and cfg.progress, part)
-        if cfg.eval_data:
-            self.eval_data, eval_mode = open_rows(cfg.eval_data, cfg.verify_dumps, False, part)
-            if eval_mode != self.mode:
-                raise ConfigError(f"--eval-data {cfg.eval_data} is {eval_mode} data but --data is {self.mode}")
-            self.train_idx, self.eval_idx = np.arange(len(self.data)), np.arange(len(self.eval_data))
-        else:
-            self.eval_data = self.data
-            self.train_idx, self.eval_idx = split_indices(len(self.data), cfg.eval_rows, cfg.seed)
-        self.sampler = StepSampler(self.train_idx, self.world, self.rank, cfg.micro_batch_size, cfg.grad_accum,
-                                   cfg.seed, cfg.data_start_step)
-        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.sampler.steps_per_epoch))
+        plan = plan_rows(cfg, self.world, self.rank, cfg.verify_dumps, self.rank == 0 and cfg.progress)
+        self.data, self.mode, self.eval_data = plan.data, plan.mode, plan.eval_data
+        self.train_idx, self.eval_idx, self.sampler = plan.train_idx, plan.eval_idx, plan.sampler
+        self.total_steps = plan.total_steps(cfg)
         self.eval_plan = eval_rows_of_rank(self.eval_idx, self.world, self.rank)
 
     def _setup_model(self) -> None:
@@ -119,13 +102,7 @@ class Trainer:
             self.target = None
             hf_config, embed, lm_head = load_target_head(cfg.target, self.dtype, self.device)
             aux_ids = self.data.aux_layer_ids
-            tc = getattr(hf_config, "text_config", hf_config)
-            if (self.data.hidden_size, self.data.vocab_size) != (tc.hidden_size, tc.vocab_size):
-                raise ConfigError(f"--data {cfg.data} was dumped from a target with hidden {self.data.hidden_size}, "
-                                  f"vocab {self.data.vocab_size}; --target {cfg.target} has {tc.hidden_size}, "
-                                  f"{tc.vocab_size}")
-            if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != aux_ids and cfg.features == "fused":
-                raise ConfigError(f"--aux-layer-ids {cfg.aux_layer_ids} but the dump holds layers {aux_ids}")
+            check_dump_fits(self.data, hf_config, cfg)
         draft = build_draft(cfg, hf_config, aux_ids, embed, lm_head, self.data, self.train_idx, self.rank,
                             self.target)
         self.draft_config = draft.config
@@ -213,13 +190,9 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _state(self, step: int) -> dict:
         c = self.cfg
-        state = {"step": step, "total_steps": self.total_steps, "world_size": self.world,
-                 "micro_batch_size": c.micro_batch_size, "grad_accum": c.grad_accum, "pack_rows": c.pack_rows,
-                 "seed": c.seed, "data_start_step": c.data_start_step, "backend": self.backend_name,
-                 "zero_stage": self.zero_stage, "eval_rows": c.eval_rows,
-                 "data": os.path.abspath(c.data), "draft_config": self.draft_config.to_dict(),
-                 "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
-        return {**state, **step_rows(state)}
+        return {"step": step, **run_state(c, self.total_steps, self.world, self.backend_name),
+                "zero_stage": self.zero_stage, "draft_config": self.draft_config.to_dict(),
+                "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
 
     def save_checkpoint(self, step: int) -> str:
         return write_checkpoint(self.ckpt_dir, step, self.backend.save, self._state(step),

@@ -35,6 +35,16 @@ def step_rows(state: dict) -> dict:
             "per_row_loss": micro == 1 or bool(state.get("pack_rows"))}
 
 
+def run_state(cfg, total_steps: int, world_size: int, backend: str) -> dict:
+    """What this run writes into each checkpoint's trainer state about its data order and schedule (RESUME_KEYS and
+    what step_rows derives them from): a resume compares them with the checkpoint's."""
+    state = {"total_steps": total_steps, "world_size": world_size, "micro_batch_size": cfg.micro_batch_size,
+             "grad_accum": cfg.grad_accum, "pack_rows": cfg.pack_rows, "seed": cfg.seed,
+             "data_start_step": cfg.data_start_step, "backend": backend, "eval_rows": cfg.eval_rows,
+             "data": os.path.abspath(cfg.data)}
+    return {**state, **step_rows(state)}
+
+
 def checkpoint_names(ckpt_dir: str) -> list[str]:
     """The step_N folders in ckpt_dir, oldest first."""
     return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_")) if os.path.isdir(ckpt_dir) else []
