@@ -294,7 +294,7 @@ def test_tune_engine_end_to_end(env, tmp_path, capsys):
     assert prof["per_batch_size"] == select_best(grid["rows"])
     adaptive = json.loads((tmp_path / "prof.sglang_adaptive.json").read_text())
     assert set(k for k in adaptive if k.isdigit()) == {"1", "2"}
-    assert prof["sglang_adaptive"]["path"] == str(tmp_path / "prof.sglang_adaptive.json")
+    assert prof["sglang_adaptive"]["path"] == "prof.sglang_adaptive.json"     # outside the repository: the name only
     for bs in (1, 2):
         entry, spec = prof["per_batch_size"][str(bs)], load_profile(str(out), bs)
         if entry["speculation"]:
@@ -896,3 +896,29 @@ def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
     for bad in ("eagle,eagle", "medusa", "hybrid-fast"):
         with pytest.raises(Exception, match="--drafters"):
             parse_drafters(bad)
+
+
+def test_shipped_draft_files_hold_no_machine_paths():
+    """The draft folder ships to users: its JSON files record what was run, not where (no /work, /root, /home or
+    /tmp paths: tune_spec and learning_curve write repository-relative, ~/ or bare names)."""
+    import re
+
+    from sglang_eagle3.paths import REPO_ROOT
+    folder = os.path.join(REPO_ROOT, "checkpoints", "smollm2-135m-eagle3")
+    machine = re.compile(r"(?<![\w.~$-])/(?:work|root|home|tmp|Users)/")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".json", ".md")):
+            with open(os.path.join(folder, name)) as f:
+                hit = machine.search(f.read())
+            assert hit is None, f"{name}: machine path at {hit.start()}"
+
+
+def test_portable_paths_drop_the_machine(tmp_path):
+    from sglang_eagle3.bench.curve import shareable_path
+    from sglang_eagle3.bench.tune import portable_path
+    from sglang_eagle3.paths import REPO_ROOT
+    assert portable_path(os.path.join(REPO_ROOT, "results", "x.json")) == os.path.join("results", "x.json")
+    assert portable_path("/elsewhere/data/eval/mt_bench.jsonl") == "mt_bench.jsonl"
+    assert portable_path("relative/as/typed") == "relative/as/typed"
+    assert shareable_path(os.path.expanduser("~/runs/a")) == "~/runs/a"
+    assert os.path.abspath(os.path.expanduser(shareable_path(str(tmp_path)))) == str(tmp_path)

@@ -91,14 +91,14 @@ def run(argv=None) -> int:
     points, evals, offset = [], [], 0
     for arg in a.run:
         run_dir, final = parse_run_arg(arg)
-        key = os.path.abspath(run_dir)
+        key = shareable_path(run_dir)
         ckpt = os.path.join(run_dir, "checkpoints")
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if os.path.isfile(metrics):
             recs = [r for r in read_metrics(metrics) if r.get("split") == "eval"]
         else:                                             # the run folder is gone: its evals as --out kept them
             recs = old_evals.get(key, [])
-        evals += [{**r, "tokens_total": offset + r.get("tokens_seen", 0), "run": run_dir} for r in recs]
+        evals += [{**r, "tokens_total": offset + r.get("tokens_seen", 0), "run": key} for r in recs]
         if final is not None and not os.path.isdir(ckpt):   # only the run's final draft is left
             draft_dir, tokens = final
             known = [p for p in cached.get(key, []) if p["tokens_seen"] == tokens]
@@ -109,7 +109,7 @@ def run(argv=None) -> int:
                     raise UserError(f"--run {arg}: {draft_dir} is not a draft folder (no config.json)")
                 tau = measure_tau(target, draft_dir, spec, prompts, a.max_new_tokens, a.dtype)
             points.append({"run": key, "step": "end", "tokens_seen": tokens, "tokens_total": offset + tokens,
-                           "tau": tau, "written": None, "draft": os.path.abspath(draft_dir)})
+                           "tau": tau, "written": None, "draft": shareable_path(draft_dir)})
             print(f"{run_dir} end ({draft_dir}): {offset + tokens:,} tokens, τ "
                   + ", ".join(f"{k} {v:.2f}" for k, v in tau.items()) + (" (earlier)" if known else ""),
                   file=sys.stderr, flush=True)
@@ -147,7 +147,9 @@ def run(argv=None) -> int:
                   + (" (earlier)" if reuse else ""), file=sys.stderr, flush=True)
         offset += last
     trends = {k: trend(points, k, a.goal) for k in sets}
-    result = {"format": FORMAT, "runs": a.run, **settings, "points": points, "evals": evals, "trend": trends,
+    home = os.path.expanduser("~") + os.sep
+    result = {"format": FORMAT, "runs": [r.replace(home, "~/") for r in a.run], **settings, "points": points,
+              "evals": evals, "trend": trends,
               "meta": report.run_metadata()}
     report.write_json_atomic(a.out, result)
     png = plot(result, report.sibling(a.out, ".png"))
@@ -221,18 +223,33 @@ def read_earlier(path: str) -> dict:
     return old if isinstance(old, dict) and old.get("format") == FORMAT else {}
 
 
+def shareable_path(path: str) -> str:
+    """A run or draft folder as the curve file stores it: under the home folder as ~/..., inside the repository
+    relative to it, else absolute (the file ships with a draft; '~' keeps the user's name and machine out of it and
+    reads back the same on any account)."""
+    from sglang_eagle3.paths import REPO_ROOT
+
+    full = os.path.abspath(os.path.expanduser(path))
+    rel = os.path.relpath(full, REPO_ROOT)
+    if not rel.startswith(".."):
+        return rel
+    home = os.path.expanduser("~")
+    return "~" + full[len(home):] if full == home or full.startswith(home + os.sep) else full
+
+
 def earlier_evals(old: dict) -> dict[str, list[dict]]:
-    """{abs run dir: held-out eval records} of an earlier --out (any settings: they come from the trainer)."""
+    """{run dir (shareable_path): held-out eval records} of an earlier --out (any settings: they come from the
+    trainer)."""
     out = {}
     for r in old.get("evals", []):
         rec = {k: v for k, v in r.items() if k not in ("run", "tokens_total")}
-        out.setdefault(os.path.abspath(r.get("run", "")), []).append(rec)
+        out.setdefault(shareable_path(r.get("run", "")), []).append(rec)
     return out
 
 
 def earlier_points(old: dict, settings: dict) -> dict[str, list[dict]]:
-    """{abs run dir: points} of an earlier --out (read_earlier) measured with the same settings; {} if none or
-    different."""
+    """{run dir (shareable_path): points} of an earlier --out (read_earlier) measured with the same settings; {} if
+    none or different."""
     if not old or old.get("dtype", settings["dtype"]) != settings["dtype"] or any(
             old.get(k) != settings[k] for k in ("tree", "n", "max_new_tokens")):
         return {}
@@ -240,7 +257,7 @@ def earlier_points(old: dict, settings: dict) -> dict[str, list[dict]]:
     for p in old.get("points", []):
         if sorted(p.get("tau", {})) != settings["datasets"]:
             return {}
-        run = os.path.abspath(p["run"])
+        run = shareable_path(p["run"])
         if run != prev_run and prev_run is not None:          # tokens_total counts on from the previous run's end
             offset = prev_total
         prev_run, prev_total = run, p["tokens_total"]

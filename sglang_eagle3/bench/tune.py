@@ -213,17 +213,20 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
     return trees, prof.source
 
 
-def portable_command(argv: list[str]) -> str:
-    """This run's command line without machine paths: a path inside the repository relative to it, another absolute
-    path as its file name (a profile ships with a draft: it records what was run, not where)."""
+def portable_path(path: str | None) -> str | None:
+    """A path without the machine in it: inside the repository relative to it, elsewhere its file name (a profile
+    ships with a draft: it records what was run, not where)."""
     from sglang_eagle3.paths import REPO_ROOT
 
-    def portable(arg: str) -> str:
-        if not os.path.isabs(arg):
-            return arg
-        rel = os.path.relpath(arg, REPO_ROOT)
-        return rel if not rel.startswith("..") else os.path.basename(arg.rstrip(os.sep)) or arg
-    return " ".join(["python bench/tune_spec.py", *(portable(a) for a in argv)])
+    if not path or not os.path.isabs(path):
+        return path
+    rel = os.path.relpath(path, REPO_ROOT)
+    return rel if not rel.startswith("..") else os.path.basename(path.rstrip(os.sep)) or path
+
+
+def portable_command(argv: list[str]) -> str:
+    """This run's command line without machine paths (portable_path on each argument)."""
+    return " ".join(["python bench/tune_spec.py", *(portable_path(a) for a in argv)])
 
 
 def table_provenance(setup: dict, dataset_name: str, command: str) -> dict:
@@ -399,13 +402,14 @@ def run(argv=None) -> int:
         note = ADAPTIVE_NOTE
     except ProfileError as e:
         adaptive, note = None, str(e)
-    profile = {"format": PROFILE_FORMAT, "target": where.get("target"), "draft": where.get("draft"),
-               "backend": where["backend"], "dtype": where.get("dtype"), "dataset": setup["dataset"],
+    profile = {"format": PROFILE_FORMAT, "target": portable_path(where.get("target")),
+               "draft": portable_path(where.get("draft")), "backend": where["backend"], "dtype": where.get("dtype"),
+               "dataset": dataset_name,
                "temperature": a.temperature, "max_new_tokens": a.max_new_tokens, "min_speedup": a.min_speedup,
                "per_batch_size": best,
-               "sglang_adaptive": {"path": os.path.abspath(adaptive_path) if adaptive else None, "note": note,
-                                   "differs_from_profile_at_batch_sizes": _differs(best, adaptive)},
-               "launch_flags": launch_flags(best, os.path.abspath(adaptive_path), adaptive),
+               "sglang_adaptive": {"path": portable_path(os.path.abspath(adaptive_path)) if adaptive else None,
+                                   "note": note, "differs_from_profile_at_batch_sizes": _differs(best, adaptive)},
+               "launch_flags": launch_flags(best, portable_path(os.path.abspath(adaptive_path)), adaptive),
                "meta": report.run_metadata()}
     report.write_json_atomic(a.out, profile)
     measured = table_provenance(setup, dataset_name, portable_command(sys.argv[1:] if argv is None else argv))

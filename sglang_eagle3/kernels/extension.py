@@ -138,10 +138,10 @@ def cpu_has_bf16() -> bool:
 
 # ---- build and load ----------------------------------------------------------------------------------
 def build_dir() -> str:
-    """Per torch version, CPU feature set, target instruction set and kernel sources: -march=native code built on
-    one host never runs on another (a cache copied to a CPU without AMX), and an edited header rebuilds (torch
-    hashes only sources)."""
-    h = hashlib.sha1((cpu_flags() + kernel_isa()).encode())
+    """Per torch version, CPU feature set, target instruction set, checkout and kernel sources: -march=native code built
+    on one host never runs on another (a cache copied to a CPU without AMX), an edited header rebuilds (torch hashes
+    only sources), and two checkouts of the package do not rebuild each other's copy in turn."""
+    h = hashlib.sha1((cpu_flags() + kernel_isa() + CSRC).encode())    # two checkouts: two builds, no thrashing
     for name in sorted(os.listdir(CSRC)):
         with open(os.path.join(CSRC, name), "rb") as f:
             h.update(name.encode() + f.read())
