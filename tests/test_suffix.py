@@ -172,6 +172,23 @@ def test_the_planner_drafts_only_while_it_pays_and_learns_the_verify_costs():
     assert planner.verify_s(1, 4, 0) == pytest.approx(2 * flat_costs().verify_s(1, 4), rel=0.05)
 
 
+def test_a_planner_that_stopped_drafting_measures_the_draft_again():
+    """One bad stretch must not switch the draft off for good: after EXPLORE_EVERY undrafted steps it runs once, and
+    a better rate it then measures turns drafting back on."""
+    planner = TreePlanner(flat_costs(), 16, has_draft=True)
+    planner.observe_step(1, True, 1, 1.0)                         # drafted steps delivered 1 token/s: hopeless
+    sure = [[0.0] * 12]
+    choices = [planner.wants_draft(sure, 1, 0) for _ in range(3 * TreePlanner.EXPLORE_EVERY)]
+    assert choices.count(True) == 3 and choices[TreePlanner.EXPLORE_EVERY - 1]
+    assert not any(choices[:TreePlanner.EXPLORE_EVERY - 1])
+    for _ in range(20):                                           # the draft got good (new text, new prompt)
+        planner.observe_step(1, True, 20, 0.01)
+    assert planner.wants_draft([[math.log(0.2)]], 1, 0)
+    planner.undrafted.clear()
+    planner.observe_step(2, True, 1, 1.0)                         # per batch size: batch 2's count is its own
+    assert [planner.wants_draft(sure, 2, 0) for _ in range(TreePlanner.EXPLORE_EVERY)].count(True) == 1
+
+
 # ---- lossless in the engine ---------------------------------------------------------------------------------
 REPETITIVE = ["3 4 5 6 7 3 4 5 6 7 3 4 5", "9 8 9 8 9 8 9", "11 12 13 14 15 16 17 18 19 20 11 12 13"]
 

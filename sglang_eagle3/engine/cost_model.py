@@ -112,14 +112,18 @@ class TreePlanner:
 
     Drafting is worth it when the tokens per second that drafted steps actually delivered lately (their emitted tokens
     over their draft and verify time, an average over recent drafted steps) beat what the context's proposals alone
-    promise now (their calibrated chances over a verify's cost, no draft)."""
+    promise now (their calibrated chances over a verify's cost, no draft). A rate that stopped being refreshed would
+    hold its last value for good (one bad stretch would switch the draft off for the rest of the engine's life), so
+    after EXPLORE_EVERY undrafted steps at a batch size the draft runs once more to measure it again."""
 
     EMA = 0.2
+    EXPLORE_EVERY = 8
 
     def __init__(self, costs: StepCosts, max_nodes: int, has_draft: bool):
         self.costs, self.max_nodes, self.has_draft = costs, max_nodes, has_draft
         self.verify_factor: dict[int, float] = {}     # batch -> observed / predicted verify seconds
         self.draft_rate: dict[int, float] = {}        # batch -> tokens/s drafted steps delivered lately
+        self.undrafted: dict[int, int] = {}           # batch -> steps since the draft last ran at it
         self.steps = {"draft": 0, "context": 0, "none": 0}
 
     def _bucket(self, table: dict, batch: int) -> Optional[float]:
@@ -144,7 +148,13 @@ class TreePlanner:
             return True
         alone = self.size(context_scores, batch, context)[1] if context_scores else \
             batch / self.verify_s(batch, 1, context)
-        return rate > alone
+        if rate > alone:
+            return True
+        self.undrafted[batch] = self.undrafted.get(batch, 0) + 1
+        if self.undrafted[batch] < self.EXPLORE_EVERY:
+            return False
+        self.undrafted[batch] = 0                                # measure the draft's rate again now and then
+        return True
 
     def observe_verify(self, batch: int, nodes: int, context: int, seconds: float) -> None:
         predicted = self.costs.verify_s(batch, nodes, context)
@@ -155,6 +165,7 @@ class TreePlanner:
         """A finished step: its emitted tokens (all rows) and its draft + verify seconds."""
         if drafted and seconds > 0:
             self._ema(self.draft_rate, batch, tokens / seconds)
+            self.undrafted[batch] = 0
 
     def _ema(self, table: dict, key: int, value: float) -> None:
         old = table.get(key)
