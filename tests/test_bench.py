@@ -887,6 +887,8 @@ def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
         for c in ["vanilla", *columns]:
             assert s[c]["identical_to_vanilla"] == 2 and s[c]["tokens"] == s["vanilla"]["tokens"] > 0
             assert s[c]["tau"] >= 1 and 0 <= s[c]["context_share"] <= 1
+            assert s[c]["decode_speedup_median"] > 0                 # the speed-up without the prefills
+        assert 0 < s["vanilla"]["prefill_share"] < 1 and s["vanilla"]["decode_speedup_median"] == pytest.approx(1)
         assert s["suffix"]["drafted_steps"] == 0 and s["eagle"]["context_share"] == 0
     md = (tmp_path / "d.md").read_text()
     assert report.parse_markdown_table(md)[0][:5] == ["set", "eagle speed-up", "suffix speed-up", "hybrid speed-up",

@@ -408,6 +408,20 @@ def test_bench_serving_against_live_servers(live, tmp_path, folders):
             assert lv["accept_length"] >= 1.0
     assert "concurrency" in (tmp_path / "serving.md").read_text()
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r["prompts_repeated"] is True                      # 3 prompts for 2 x 5 requests + warm-up
+
+
+def test_bench_serving_gives_each_level_its_own_prompts():
+    """A server with a pool of recent requests' text would find a repeated prompt's answer there: levels take fresh
+    prompts from the front, the warm-up from the back, and repeat only when the sets run out."""
+    from sglang_eagle3.bench.serving import level_prompts
+    prompts = [f"p{i}" for i in range(40)]
+    levels = level_prompts(prompts, [4, 8, 16], warm=4)
+    flat = [p for lv in levels for p in lv]
+    assert [len(lv) for lv in levels] == [4, 8, 16] and len(set(flat)) == 28
+    assert not set(flat) & set(prompts[::-1][:4])                # none of the warm-up's
+    again = level_prompts(prompts[:10], [4, 8], warm=2)           # 8 fresh prompts for 12 requests: wraps
+    assert again[0] == prompts[:4] and again[1] == prompts[4:8] + prompts[:4]
 
 
 def test_builtin_serve_uses_the_drafts_own_profile_when_the_draft_is_named(folders, tmp_path, capsys):

@@ -73,6 +73,43 @@ def test_keep_bounds_the_positions_per_ngram():
     assert all(len(v) <= 2 for table in index.ends for v in table.values())
 
 
+def test_the_pool_finds_the_longest_match_a_brute_force_search_finds():
+    """One index over all pooled streams: the match length equals a brute-force scan's, its continuation is one
+    a longest match has, and the newest stream wins a tie."""
+    import random
+    rng = random.Random(0)
+    pool = SuffixPool(max_tokens=400, max_n=5, keep=64)
+    streams = {}
+    for k in range(40):                                             # more than fit: the oldest go
+        streams[k] = [rng.randrange(6) for _ in range(rng.randrange(5, 30))]
+        pool.add(k, streams[k])
+    live = [streams[k] for k in pool.streams]
+    assert sum(map(len, live)) <= 400 and list(pool.streams)[-1] == 39
+    for _ in range(200):
+        suffix = [rng.randrange(6) for _ in range(rng.randrange(1, 7))]
+        best, conts = 0, set()
+        for toks in live:
+            for end in range(1, len(toks)):
+                n = 0
+                while n < min(5, end, len(suffix)) and toks[end - 1 - n] == suffix[-1 - n]:
+                    n += 1
+                if n > best:
+                    best, conts = n, set()
+                if n == best and n >= 2:
+                    conts.add(tuple(toks[end:end + 3]))
+        got = pool.propose(suffix, 3, min_match=2)
+        if best < 2:
+            assert got is None
+        else:
+            assert got.match_len == best and (tuple(got.tokens[:len(got.tokens)]) in conts or
+                                              any(c == tuple(got.tokens[:len(c)]) for c in conts))
+    pool.add("x", [9, 9, 1, 2, 7])
+    pool.add("y", [3, 1, 2, 8])
+    assert pool.propose([1, 2], 1).tokens == [8]                   # the newest stream first
+    pool.add("y", [5])                                              # re-adding replaces the stream
+    assert pool.propose([1, 2], 1).tokens == [7]
+
+
 def test_the_pool_finds_other_streams_and_forgets_the_oldest():
     pool = SuffixPool(max_tokens=12, max_n=4)
     pool.add("a", [1, 2, 3, 4, 5, 6])

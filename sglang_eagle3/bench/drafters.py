@@ -68,8 +68,8 @@ def code_edit_prompts(path: str, n: int) -> list[list[str]]:
 def conversation(engine, history: list[dict], turns: list[str], make_params) -> dict:
     """Each user turn after the run's own previous answers (the fixed history first); totals over the turns."""
     messages = list(history)
-    out = {"tokens": 0, "time_s": 0.0, "steps": 0, "accepted": 0, "context": 0, "draft_s": 0.0, "drafted": 0,
-           "token_ids": []}
+    out = {"tokens": 0, "time_s": 0.0, "prefill_s": 0.0, "steps": 0, "accepted": 0, "context": 0, "draft_s": 0.0,
+           "drafted": 0, "token_ids": []}
     for k, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
         t0 = time.perf_counter()
@@ -83,8 +83,14 @@ def conversation(engine, history: list[dict], turns: list[str], make_params) -> 
         out["accepted"] += len(o.token_ids) - len(o.accept_lengths)   # draft tokens accepted (no bonus, no prefill)
         out["context"] += o.context_tokens
         out["draft_s"] += st.draft_time
+        out["prefill_s"] += st.prefill_time
         out["drafted"] += st.drafted_steps
     return out
+
+
+def decode_s(run: dict) -> float:
+    """A run's seconds after its prefills (0 where a result file predates prefill_s: no decode-only figure)."""
+    return run["time_s"] - run["prefill_s"] if "prefill_s" in run else 0.0
 
 
 def summarize(rows: list[dict], columns: list[str], greedy: bool) -> dict:
@@ -101,6 +107,11 @@ def summarize(rows: list[dict], columns: list[str], greedy: bool) -> dict:
              "speedup_median": report.median(report.safe_div(x["tokens"] / x["time_s"], v["tokens"] / v["time_s"])
                                              for x, v in zip(runs, van) if x["time_s"] and v["time_s"]),
              "speedup_total": report.safe_div(tps, tps_v) if tps and tps_v else None,
+             # the same without the prompt's prefill (identical work in every column): the decoding's own speed-up
+             "decode_speedup_median": report.median(
+                 report.safe_div(x["tokens"] / decode_s(x), v["tokens"] / decode_s(v))
+                 for x, v in zip(runs, van) if decode_s(x) and decode_s(v)),
+             "prefill_share": report.safe_div(sum(v.get("prefill_s", 0.0) for v in van), sum(v["time_s"] for v in van)),
              "context_share": report.safe_div(sum(x["context"] for x in runs), accepted) if accepted else 0.0,
              "added_ms_per_step": 1e3 * report.safe_div(sum(x["draft_s"] for x in runs), steps) if steps else 0.0,
              "drafted_steps": sum(x["drafted"] for x in runs)}
@@ -120,15 +131,16 @@ def markdown(result: dict) -> str:
         s = result["sets"].get(name) or result["average"]
         rows.append([name] + [report.fmt_speedup(s[c]["speedup_median"]) for c in cols] +
                     [report.fmt_num(s[c]["tau"]) for c in cols])
-    detail_head = ["set", "column", "tokens/s", "speed-up (totals)", "τ", "context share", "added ms/step",
-                   "drafted steps"] + (["identical"] if result["config"]["temperature"] == 0 else [])
+    detail_head = ["set", "column", "tokens/s", "speed-up (totals)", "decode-only speed-up", "τ", "context share",
+                   "added ms/step", "drafted steps"] + (["identical"] if result["config"]["temperature"] == 0 else [])
     detail = []
     for name in sets:
         s = result["sets"][name]
         for c in ["vanilla", *cols]:
             x = s[c]
             detail.append([name, c, report.fmt_num(x["tokens_per_s"], 1), report.fmt_speedup(x["speedup_total"]),
-                           report.fmt_num(x["tau"]), f"{100 * x['context_share']:.0f}%",
+                           report.fmt_speedup(x.get("decode_speedup_median")), report.fmt_num(x["tau"]),
+                           f"{100 * x['context_share']:.0f}%",
                            report.fmt_num(x["added_ms_per_step"], 2), str(x["drafted_steps"])] +
                           ([f"{x['identical_to_vanilla']}/{s['n_prompts']}"]
                            if result["config"]["temperature"] == 0 else []))
@@ -139,7 +151,8 @@ def markdown(result: dict) -> str:
         f"column in a rotated order; τ = tokens per decoding step). Host: {result['meta'].get('cpu')}.", "",
         report.format_table(head, rows), "",
         "Context share = accepted draft tokens that the context alone proposed; added ms/step = draft and "
-        "proposal time per decoding step.", "",
+        "proposal time per decoding step; decode-only speed-up = the median speed-up without the prompts' prefills "
+        "(the same work in every column; long prompts, as CNN/DM's, spend a large share of the time there).", "",
         report.format_table(detail_head, detail)])
 
 
@@ -244,5 +257,6 @@ def average(result: dict) -> dict:
     out = {}
     for c in ["vanilla", *result["columns"]]:
         keys = [k for k, v in sets[0][c].items() if isinstance(v, (int, float))]
-        out[c] = {k: sum(s[c][k] for s in sets if s[c].get(k) is not None) / len(sets) for k in keys}
+        out[c] = {k: sum(vals) / len(vals) for k in keys
+                  if (vals := [s[c][k] for s in sets if s[c].get(k) is not None])}
     return out

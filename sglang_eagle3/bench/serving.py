@@ -233,6 +233,18 @@ def load_prompt_texts(data: Optional[str], datasets: str) -> list[str]:
     return [p for group in zip(*per) for p in group]                     # interleave the sets
 
 
+def level_prompts(prompts: list[str], sizes: list[int], warm: int) -> list[list[str]]:
+    """Each level's own prompts: consecutive slices from the front, the warm-up's from the back. A server that
+    searches earlier requests' text (--pool-tokens) would otherwise find a level's answers in the previous level's
+    and predict them whole; they repeat only where the sets run out (prompts_repeated in the result)."""
+    fresh = prompts[:max(len(prompts) - warm, 1)]
+    out, at = [], 0
+    for n in sizes:
+        out.append([fresh[(at + i) % len(fresh)] for i in range(n)])
+        at += n
+    return out
+
+
 def run(argv=None) -> int:
     from sglang_eagle3.errors import UserError
     a = build_parser().parse_args(argv)
@@ -274,14 +286,16 @@ def run(argv=None) -> int:
                   "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
                   "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
                            f", max_tokens {a.max_tokens}, T={a.temperature:g}"}
+        warm = max(4, 2 * levels[0])
         for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)
-            asyncio.run(run_level(s["url"], s["model"], prompts[::-1], levels[0], max(4, 2 * levels[0]),
+            asyncio.run(run_level(s["url"], s["model"], prompts[::-1][:warm], levels[0], warm,
                                   a.max_tokens, a.temperature, a.ignore_eos, a.timeout))
-        for c in levels:
-            n = a.requests or max(16, 2 * c)
+        batches = level_prompts(prompts, [a.requests or max(16, 2 * c) for c in levels], warm)
+        result["prompts_repeated"] = sum(len(b) for b in batches) + warm > len(prompts)
+        for c, batch in zip(levels, batches):
             order = servers if levels.index(c) % 2 == 0 else servers[::-1]
             for s in order:
-                lv = asyncio.run(run_level(s["url"], s["model"], prompts, c, n, a.max_tokens, a.temperature,
+                lv = asyncio.run(run_level(s["url"], s["model"], batch, c, len(batch), a.max_tokens, a.temperature,
                                            a.ignore_eos, a.timeout))
                 result["levels"][s["name"]][str(c)] = lv
                 print(f"{s['name']:>10} concurrency {c:>3}: {lv['output_tokens_per_s']:8.1f} tok/s, "

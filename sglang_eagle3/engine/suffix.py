@@ -24,6 +24,16 @@ class Proposal:
     match_len: int           # tokens of the current suffix that the earlier occurrence shares
 
 
+def continuation(src: list[int], end: int, max_tokens: int) -> list[int]:
+    """What followed position `end` of `src`, up to max_tokens; past the stream's end it goes on with itself (a loop
+    that ends the stream repeats: "a b c a b" matched at 2 continues "c a b c a b ...")."""
+    out: list[int] = []
+    for i in range(max_tokens):
+        j = end + i
+        out.append(src[j] if j < len(src) else out[j - len(src)])
+    return out
+
+
 class SuffixIndex:
     """n-gram -> its `keep` most recent end positions (exclusive, newest last), for n = 1..max_n."""
 
@@ -55,13 +65,7 @@ class SuffixIndex:
         return [e for e in reversed(seen) if e < len(self.tokens)]
 
     def continuation(self, end: int, max_tokens: int) -> list[int]:
-        """What followed position `end`, up to max_tokens; past the stream's end it goes on with itself (a loop
-        that ends the stream repeats: "a b c a b" matched at 2 continues "c a b c a b ...")."""
-        src, out = self.tokens, []
-        for i in range(max_tokens):
-            j = end + i
-            out.append(src[j] if j < len(src) else out[j - len(src)])
-        return out
+        return continuation(self.tokens, end, max_tokens)
 
     def propose(self, max_tokens: int, max_branches: int = 1, min_match: int = 1,
                 suffix: Optional[list[int]] = None) -> list[Proposal]:
@@ -84,35 +88,59 @@ class SuffixIndex:
 
 
 class SuffixPool:
-    """The token streams of recent requests, searched when a request's own stream has no (or only a short) match.
-    Bounded by `max_tokens` in all; the least recently added stream goes first."""
+    """The token streams of recent requests, searched when a request's own stream has no match. One n-gram index
+    over all of them (n-gram -> its `keep` most recent (stream, end) pairs), so a lookup costs the same however many
+    streams the pool holds. Bounded by `max_tokens` in all; the least recently added stream goes first, and the
+    index drops a gone stream's entries once they outnumber the live ones (amortised O(1) per token)."""
 
     def __init__(self, max_tokens: int = 1 << 20, max_n: int = 8, keep: int = 4):
         self.max_tokens, self.max_n, self.keep = max_tokens, max_n, keep
-        self.streams: OrderedDict[object, SuffixIndex] = OrderedDict()
-        self.total = 0
+        self.streams: OrderedDict[object, tuple[int, list[int]]] = OrderedDict()   # key -> (stream id, tokens)
+        self.live: dict[int, list[int]] = {}                                         # stream id -> tokens
+        self.ends: list[dict[tuple, list[tuple[int, int]]]] = [{} for _ in range(max_n + 1)]
+        self.total, self.stale, self._next_id = 0, 0, 0
 
     def add(self, key, tokens: list[int]) -> None:
         if key in self.streams:
-            self.total -= len(self.streams.pop(key))
+            self._drop(key)
         if not tokens or len(tokens) > self.max_tokens:
             return
-        self.streams[key] = SuffixIndex(tokens, self.max_n, self.keep)
+        sid, self._next_id = self._next_id, self._next_id + 1
+        tokens = [int(t) for t in tokens]
+        self.streams[key] = (sid, tokens)
+        self.live[sid] = tokens
         self.total += len(tokens)
+        self._index(sid, tokens)
         while self.total > self.max_tokens:
-            _, old = self.streams.popitem(last=False)
-            self.total -= len(old)
+            self._drop(next(iter(self.streams)))
+        if self.stale > max(self.total, 4096):                 # rebuild without the gone streams' entries
+            self.ends = [{} for _ in range(self.max_n + 1)]
+            for sid, tokens in self.streams.values():
+                self._index(sid, tokens)
+            self.stale = 0
+
+    def _drop(self, key) -> None:
+        sid, tokens = self.streams.pop(key)
+        del self.live[sid]
+        self.total -= len(tokens)
+        self.stale += len(tokens)
+
+    def _index(self, sid: int, tokens: list[int]) -> None:
+        for end in range(1, len(tokens)):                      # a match must have a next token in its stream
+            for n in range(1, min(self.max_n, end) + 1):
+                seen = self.ends[n].setdefault(tuple(tokens[end - n:end]), [])
+                seen.append((sid, end))
+                if len(seen) > self.keep:
+                    del seen[0]
 
     def propose(self, suffix: list[int], max_tokens: int, min_match: int = 2) -> Optional[Proposal]:
-        """The longest match of `suffix` over the pooled streams (newest stream first on equal length)."""
-        best = None
-        for index in reversed(self.streams.values()):
-            found = index.propose(max_tokens, 1, max(min_match, best.match_len + 1 if best else 1), suffix)
-            if found:
-                best = found[0]
-                if best.match_len >= self.max_n:
-                    break
-        return best
+        """The longest match of `suffix` over the pooled streams (the newest stream first on equal length)."""
+        for n in range(min(self.max_n, len(suffix)), max(min_match, 1) - 1, -1):
+            for sid, end in reversed(self.ends[n].get(tuple(suffix[len(suffix) - n:]), ())):
+                tokens = self.live.get(sid)
+                if tokens is not None:
+                    return Proposal(continuation(tokens, end, max_tokens), n)
+        return None
 
 
 class MatchCalibration:

@@ -91,8 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "both in one tree (default: the profile's choice for this host, else eagle)")
     g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
                    help="profile: the fixed tree per batch size; auto: sized each step by this machine's costs")
-    g.add_argument("--pool-tokens", type=int, default=1 << 20,
-                   help="suffix/hybrid: tokens of recent requests searched for continuations too (0: none)")
+    g.add_argument("--pool-tokens", type=int, default=1 << 16,
+                   help="suffix/hybrid: tokens of recent requests searched for continuations too (default 65536, "
+                        "about 150 MB of index; 0: none)")
     p.add_argument("--attention-backend", default="flashinfer", help="SGLang attention backend (default flashinfer)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
                                                                        "graph (default: SGLang's, or --batch-size)")
