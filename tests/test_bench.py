@@ -924,3 +924,27 @@ def test_portable_paths_drop_the_machine(tmp_path):
     assert portable_path("relative/as/typed") == "relative/as/typed"
     assert shareable_path(os.path.expanduser("~/runs/a")) == "~/runs/a"
     assert os.path.abspath(os.path.expanduser(shareable_path(str(tmp_path)))) == str(tmp_path)
+
+
+def test_bench_scripts_refuse_bad_flags_in_one_line(capsys, monkeypatch, tmp_path):
+    """bench_decode --parts, bench_serving's flags and bench_llamacpp's (and a missing llama.cpp build): one line
+    naming the flag, exit 2, before any model loads."""
+    from sglang_eagle3.bench import llamacpp as bench_llamacpp
+    from sglang_eagle3.bench.decode_cli import main as decode_main
+    from sglang_eagle3.bench.serving import main as serving_main
+    from sglang_eagle3.formats import llamacpp
+    cases = [(decode_main, ["--parts", "speed,warp"], "--parts warp: choose from"),
+             (serving_main, ["--start", "builtin", "--concurrency", "1,x"], "--concurrency must be comma-separated"),
+             (serving_main, ["--start", "builtin", "--concurrency", "0"], "--concurrency levels must be >= 1"),
+             (serving_main, ["--concurrency", "1"], "give --url NAME=URL"),
+             (serving_main, ["--url", "nourl", "--concurrency", "1", "--out", str(tmp_path / "s.json")],
+              "--url 'nourl': expected NAME=URL"),
+             (bench_llamacpp.main, ["--draft-lengths", "1,two"], "--draft-lengths must be comma-separated integers"),
+             (bench_llamacpp.main, ["--draft-lengths", "0,2"], "--draft-lengths must all be >= 1")]
+    for main, argv, phrase in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert phrase in err and "Traceback" not in err and len(err.splitlines()) == 1, (argv, err)
+    monkeypatch.setattr(llamacpp, "is_built", lambda: False)
+    assert bench_llamacpp.main([]) == 2
+    assert "no llama.cpp build: run `make llamacpp` first" in capsys.readouterr().err

@@ -209,6 +209,51 @@ def test_the_planner_drafts_only_while_it_pays_and_learns_the_verify_costs():
     assert planner.verify_s(1, 4, 0) == pytest.approx(2 * flat_costs().verify_s(1, 4), rel=0.05)
 
 
+def test_a_planner_looks_for_proposals_rarely_while_nothing_is_speculated():
+    """After IDLE_SKIP steps in a row that verified the root alone, the context is searched 1 step in IDLE_SKIP
+    (per batch size); a step that speculates again ends the stretch."""
+    planner = TreePlanner(flat_costs(), 16, has_draft=False)
+    k = TreePlanner.IDLE_SKIP
+    looks = []
+    for _ in range(5 * k):
+        looks.append(planner.wants_proposals(4))
+        if looks[-1]:
+            planner.observe_size(4, 1, False)                    # searched, but the root alone was verified
+    assert all(looks[:k]) and 4 <= looks.count(True) - k <= 6
+    assert planner.wants_proposals(1)                            # another batch size: its own count
+    while not planner.wants_proposals(4):
+        pass
+    planner.observe_size(4, 5, False)                            # a step that speculated
+    assert all(planner.wants_proposals(4) for _ in range(k))
+    planner.observe_size(4, 1, True)                             # drafted, even if nothing was kept: not idle
+    assert planner.idle[4] == 0
+
+
+def test_step_costs_are_measured_once_per_machine_for_the_largest_sizes_asked(tmp_path, monkeypatch):
+    """A smaller batch or tree than measured reads the cache; a larger one measures again, for the larger sizes
+    (not per batch size: a demo at batch 3 after a benchmark at batch 1 would otherwise measure inside its run)."""
+    from sglang_eagle3.engine import cost_model
+    monkeypatch.setattr(cost_model, "cache_dir", lambda: str(tmp_path))    # (not EAGLE3_CACHE: the kernels live there)
+    calls = []
+
+    def fake(target, max_batch, max_tree):
+        calls.append((max_batch, max_tree))
+        return flat_costs()
+    monkeypatch.setattr(cost_model, "measure_costs", fake)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    cost_model.load_or_measure_costs(tm, 2, 16)
+    assert cost_model.load_or_measure_costs(tm, 1, 8).verify == flat_costs().verify and calls == [(2, 16)]
+    cost_model.load_or_measure_costs(tm, 4, 8)
+    assert calls == [(2, 16), (4, 16)]
+    cost_model.load_or_measure_costs(tm, 3, 16)
+    cost_model.load_or_measure_costs(tm, 1, 16, refresh=True)
+    assert calls == [(2, 16), (4, 16), (4, 16)]
+    (file,) = (tmp_path / "step_costs").iterdir()
+    file.write_text("{torn")
+    cost_model.load_or_measure_costs(tm, 1, 16)
+    assert calls[-1] == (1, 16)
+
+
 def test_a_planner_that_stopped_drafting_measures_the_draft_again():
     """One bad stretch must not switch the draft off for good: after EXPLORE_EVERY undrafted steps it runs once, and
     a better rate it then measures turns drafting back on."""

@@ -71,6 +71,13 @@ def main(argv=None) -> int:
                                   if a.compile == "auto" else " (--compile off)"))
     print(f"target: {resolve_target(None)}\ndraft:  {settings.draft}{note}\ntree:   {settings.describe()}\n"
           f"dtype:  {settings.dtype}, threads: {torch.get_num_threads()}\nengine: {runtime}\n")
+    # warm-up, not timed: first calls allocate the KV pools, and with --tree auto the first run on a machine measures
+    # its step costs (a few seconds, cached after), which the comparison must not count
+    print("warming up (the first run on a machine also measures its step costs for --tree auto; cached after)\n",
+          flush=True)
+    warm = SamplingParams(max_new_tokens=4)
+    vanilla.generate(chats, warm)
+    spec_engine.generate(chats, warm)
     van_out, van = vanilla.generate(chats, params)
     spec_out, spec_stats = spec_engine.generate(chats, params)
     for p, o, v in zip(prompts, spec_out, van_out):

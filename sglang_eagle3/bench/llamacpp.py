@@ -130,9 +130,14 @@ def run(argv=None) -> int:
     from sglang_eagle3.paths import data_dir, shipped_draft
     a = build_parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype)
+    try:
+        lengths = [int(x) for x in a.draft_lengths.split(",")]
+    except ValueError:
+        raise UserError(f"--draft-lengths must be comma-separated integers, got {a.draft_lengths!r}") from None
+    if min(lengths) < 1:
+        raise UserError(f"--draft-lengths must all be >= 1, got {a.draft_lengths!r}")
     if not llamacpp.is_built():
         raise UserError("no llama.cpp build: run `make llamacpp` first (~20 min on 2 cores)")
-    lengths = [int(x) for x in a.draft_lengths.split(",")]
     torch.set_num_threads(a.threads)
     target = resolve_target(a.target)
     draft = a.draft or shipped_draft()

@@ -256,6 +256,9 @@ def run(argv=None) -> int:
         raise UserError("--concurrency levels must be >= 1")
     if bool(a.url) == bool(a.start):
         raise UserError("give --url NAME=URL (one or more running servers) or --start builtin")
+    for item in a.url:
+        if not item.partition("=")[2]:
+            raise UserError(f"--url {item!r}: expected NAME=URL")
     prompts = load_prompt_texts(a.data, a.datasets)
     servers, started = [], []
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)

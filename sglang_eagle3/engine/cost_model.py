@@ -118,12 +118,14 @@ class TreePlanner:
 
     EMA = 0.2
     EXPLORE_EVERY = 8
+    IDLE_SKIP = 8            # after this many steps in a row without speculation, look for proposals 1 step in 8
 
     def __init__(self, costs: StepCosts, max_nodes: int, has_draft: bool):
         self.costs, self.max_nodes, self.has_draft = costs, max_nodes, has_draft
         self.verify_factor: dict[int, float] = {}     # batch -> observed / predicted verify seconds
         self.draft_rate: dict[int, float] = {}        # batch -> tokens/s drafted steps delivered lately
         self.undrafted: dict[int, int] = {}           # batch -> steps since the draft last ran at it
+        self.idle: dict[int, int] = {}                # batch -> steps in a row that verified the root alone
         self.steps = {"draft": 0, "context": 0, "none": 0}
 
     def _bucket(self, table: dict, batch: int) -> Optional[float]:
@@ -155,6 +157,20 @@ class TreePlanner:
             return False
         self.undrafted[batch] = 0                                # measure the draft's rate again now and then
         return True
+
+    def wants_proposals(self, batch: int) -> bool:
+        """Look up the context's proposals this step? Not on most steps of a stretch where nothing was speculated
+        (large batches, where a verify of more than the root never pays): the lookups cost per row and step. A
+        skipped step counts as idle; every IDLE_SKIP-th step looks again."""
+        idle = self.idle.get(batch, 0)
+        if idle < self.IDLE_SKIP or idle % self.IDLE_SKIP == 0:
+            return True
+        self.idle[batch] = idle + 1
+        return False
+
+    def observe_size(self, batch: int, nodes: int, drafted: bool) -> None:
+        """A step's tree: the root alone and no draft counts toward an idle stretch, anything else ends it."""
+        self.idle[batch] = self.idle.get(batch, 0) + 1 if nodes <= 1 and not drafted else 0
 
     def observe_verify(self, batch: int, nodes: int, context: int, seconds: float) -> None:
         predicted = self.costs.verify_s(batch, nodes, context)
@@ -218,21 +234,26 @@ def measure_costs(target, max_batch: int = 1, max_tree: int = 16, repeats: int =
 
 
 def load_or_measure_costs(target, max_batch: int = 1, max_tree: int = 16, refresh: bool = False) -> StepCosts:
-    """This machine's costs for this target: from the cache if measured before, else measured now and cached
-    (per CPU model, kernel build, threads, target, dtype and the batch and tree sizes asked for)."""
+    """This machine's costs for this target: from the cache if measured before for at least these batch and tree
+    sizes, else measured now (for the largest sizes asked for so far) and cached (per CPU model, kernel build,
+    threads, target, dtype and torch)."""
     key = {"cpu": extension.cpu_model(), "kernel": extension.few_row_kernel(), "isa": extension.kernel_isa(),
            "threads": torch.get_num_threads(), "target": f"{getattr(target.hf_config, '_name_or_path', '')}:"
                      f"{target.num_layers}x{target.hidden_size}",
-           "dtype": str(target.dtype), "device": str(target.device), "max_batch": max_batch, "max_tree": max_tree,
-           "torch": torch.__version__}
+           "dtype": str(target.dtype), "device": str(target.device), "torch": torch.__version__}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), "step_costs", f"{digest}.json")
-    if not refresh and os.path.isfile(path):
+    if os.path.isfile(path):
         try:
             with open(path) as f:
-                return StepCosts.from_json(json.load(f))
+                cached = json.load(f)
+            costs = StepCosts.from_json(cached)
+            covered = cached["max_batch"], cached["max_tree"]
+            if not refresh and covered[0] >= max_batch and covered[1] >= max_tree:
+                return costs
+            max_batch, max_tree = max(max_batch, covered[0]), max(max_tree, covered[1])
         except (ValueError, KeyError, TypeError):
             pass                                             # a stale or torn file: measure again
     costs = measure_costs(target, max_batch, max_tree)
-    write_json(path, {**costs.to_json(), "key": key})
+    write_json(path, {**costs.to_json(), "key": key, "max_batch": max_batch, "max_tree": max_tree})
     return costs

@@ -158,6 +158,8 @@ class SpecWorker:
         r = torch.tensor(rows, device=self.target.device)
         root_pos = self.root_pos[r]
         tree, from_context, drafted = self._tree(rows, r, spec, proposals, planner, context)
+        if planner is not None:
+            planner.observe_size(len(rows), tree.num_nodes, drafted)
         t1 = time.perf_counter()
         with record_function("eagle3::verify_forward"):
             tv = self.graphs.forward(r, tree.tokens, tree.positions, tree.mask) if self.graphs is not None else None
