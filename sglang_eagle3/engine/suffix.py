@@ -93,7 +93,7 @@ class SuffixPool:
     streams the pool holds. Bounded by `max_tokens` in all; the least recently added stream goes first, and the
     index drops a gone stream's entries once they outnumber the live ones (amortised O(1) per token)."""
 
-    def __init__(self, max_tokens: int = 1 << 20, max_n: int = 8, keep: int = 4):
+    def __init__(self, max_tokens: int = 1 << 16, max_n: int = 8, keep: int = 4):
         self.max_tokens, self.max_n, self.keep = max_tokens, max_n, keep
         self.streams: OrderedDict[object, tuple[int, list[int]]] = OrderedDict()   # key -> (stream id, tokens)
         self.live: dict[int, list[int]] = {}                                         # stream id -> tokens
