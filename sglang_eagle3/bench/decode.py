@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from sglang_eagle3.engine.cost_model import prepared_forward
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.loader import load_draft
 from sglang_eagle3.engine.prompts import load_prompts
@@ -94,27 +95,6 @@ class Runtimes:
 
     def step_runtimes(self) -> list[str]:
         return ["eager", "fused"] + ([self.other_name] if self.fused_other is not None else [])
-
-
-def prepared_forward(tm: TargetModel, context: int, T: int, batch: int = 1):
-    """A callable that runs one target forward over T new tokens per row (a chain) after `context` cached tokens
-    (its own cache, filled once; the new tokens are never committed, so every call does the same work)."""
-    cache = tm.new_cache(batch, context + T + 1)
-    dev = tm.device
-    ids = torch.randint(0, tm.vocab_size, (batch, context), device=dev)
-    tm(cache, ids, torch.arange(context, device=dev).expand(batch, -1), want_aux=False)
-    cache.commit_prefix(torch.arange(batch, device=dev), torch.full((batch,), context, device=dev))
-    new = torch.randint(0, tm.vocab_size, (batch, T), device=dev)
-    pos = (context + torch.arange(T, device=dev)).expand(batch, T)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def forward() -> float:
-        sync()
-        t0 = time.perf_counter()
-        tm(cache, new, pos, want_aux=True)
-        sync()
-        return time.perf_counter() - t0
-    return forward
 
 
 def time_forward(tm: TargetModel, context: int, T: int, repeats: int, batch: int = 1) -> float:

@@ -191,7 +191,8 @@ class TreePlanner:
 # ---- measuring ---------------------------------------------------------------------------------------------
 def prepared_forward(target, context: int, tree_size: int, batch: int = 1):
     """A callable timing one target forward over tree_size new tokens per row (a chain) after `context` cached
-    tokens (its own cache, filled once; the new tokens are never committed, so every call does the same work)."""
+    tokens (its own cache, filled once; the new tokens are never committed, so every call does the same work).
+    bench_decode times its step part with it too."""
     cache = target.new_cache(batch, context + tree_size + 1)
     dev = target.device
     rows = torch.arange(batch, device=dev)
