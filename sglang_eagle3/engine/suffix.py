@@ -34,6 +34,14 @@ def continuation(src: list[int], end: int, max_tokens: int) -> list[int]:
     return out
 
 
+def _remember(table: dict, ngram: tuple, where, keep: int) -> None:
+    """table[ngram] += [where], keeping its `keep` most recent entries (newest last)."""
+    seen = table.setdefault(ngram, [])
+    seen.append(where)
+    if len(seen) > keep:
+        del seen[0]
+
+
 class SuffixIndex:
     """n-gram -> its `keep` most recent end positions (exclusive, newest last), for n = 1..max_n."""
 
@@ -53,11 +61,7 @@ class SuffixIndex:
             self.tokens.append(int(t))
             end = len(self.tokens)
             for n in range(1, min(self.max_n, end) + 1):
-                key = tuple(self.tokens[end - n:end])
-                seen = self.ends[n].setdefault(key, [])
-                seen.append(end)
-                if len(seen) > self.keep:
-                    del seen[0]
+                _remember(self.ends[n], tuple(self.tokens[end - n:end]), end, self.keep)
 
     def earlier_ends(self, suffix: tuple) -> list[int]:
         """End positions of earlier occurrences of `suffix` (not the one ending the stream), newest first."""
@@ -128,10 +132,7 @@ class SuffixPool:
     def _index(self, sid: int, tokens: list[int]) -> None:
         for end in range(1, len(tokens)):                      # a match must have a next token in its stream
             for n in range(1, min(self.max_n, end) + 1):
-                seen = self.ends[n].setdefault(tuple(tokens[end - n:end]), [])
-                seen.append((sid, end))
-                if len(seen) > self.keep:
-                    del seen[0]
+                _remember(self.ends[n], tuple(tokens[end - n:end]), (sid, end), self.keep)
 
     def propose(self, suffix: list[int], max_tokens: int, min_match: int = 2) -> Optional[Proposal]:
         """The longest match of `suffix` over the pooled streams (the newest stream first on equal length)."""
