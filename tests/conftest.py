@@ -90,6 +90,30 @@ def edit_tensors(folder, fn):
     save_file(state, path)
 
 
+def linear_cost(batch: int, tokens: int, context: int) -> float:
+    return 1e-3 * batch * (1 + tokens / 8) * (1 + context / 1024)
+
+
+def fake_step_costs(monkeypatch, tmp_path, cost=linear_cost, sleep: float = 0.0) -> list:
+    """The step-cost cache (engine/cost_model.py) in tmp_path, and target forwards that time nothing: each returns
+    cost(batch, tokens, context) seconds (after `sleep` real ones), whatever else runs on the machine. Returns the
+    (batch, tokens, context) of every timed call."""
+    import time
+
+    from sglang_eagle3.engine import cost_model
+    monkeypatch.setattr(cost_model, "cache_dir", lambda: str(tmp_path))    # (not EAGLE3_CACHE: the kernels live there)
+    calls = []
+
+    def prepared(target, context, tree_size, batch=1):
+        def forward(tokens=tree_size):
+            calls.append((batch, tokens, context))
+            time.sleep(sleep)
+            return cost(batch, tokens, context)
+        return forward
+    monkeypatch.setattr(cost_model, "prepared_forward", prepared)
+    return calls
+
+
 class JSONHandler(__import__("http.server").server.BaseHTTPRequestHandler):
     """Base of the local fake servers in the tests: quiet, answers JSON."""
 

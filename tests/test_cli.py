@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_tiny_model_folder
+from conftest import fake_step_costs, save_tiny_model_folder
 
 from sglang_eagle3.cli import main
 
@@ -49,6 +49,25 @@ def test_generate_json_spec_equals_vanilla(folders, capsys, tmp_path):
     first = run_json(capsys, *common, "--draft", "none", "--first-turn-only")
     assert [(o["row"], o["turn"]) for o in first["outputs"]] == [(0, 0), (1, 0), (2, 0)]
     assert first["outputs"][0]["token_ids"] == van["outputs"][0]["token_ids"]
+
+
+def test_generate_tree_auto_reports_its_step_cost_measuring_apart(folders, capsys, tmp_path, monkeypatch):
+    """The one-off measuring of this machine's step costs (--tree auto) is not decoding: it made 8 tokens report
+    0.056 tok/s. It is reported as cost_measure_s, outside total_time_s and tokens_per_s."""
+    import time
+    target, draft, _ = folders
+    fake_step_costs(monkeypatch, tmp_path, sleep=0.1)                     # seconds of measuring at batch 1
+    common = ["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--max-new-tokens", "8", "--ignore-eos",
+              "--drafter", "hybrid", "--tree", "auto"]
+    start = time.perf_counter()
+    first = run_json(capsys, *common)["stats"]
+    wall = time.perf_counter() - start
+    assert first["cost_measure_s"] >= 2 and first["total_time_s"] + first["cost_measure_s"] <= wall
+    assert first["tokens_per_s"] == pytest.approx(first["generated_tokens"] / first["total_time_s"])
+    assert run_json(capsys, *common)["stats"]["cost_measure_s"] == 0            # cached: nothing measured
+    (tmp_path / "step_costs").rename(tmp_path / "elsewhere")
+    assert main(["generate", *common]) == 0
+    assert "step costs measured in" in capsys.readouterr().out
 
 
 def test_generate_refuses_multi_turn_rows_without_chat_and_limits_below_one(folders, capsys, tmp_path):

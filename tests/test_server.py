@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import save_tiny_model_folder
+from conftest import fake_step_costs, save_tiny_model_folder
 
 from sglang_eagle3.cli import main as eagle3_main
 from sglang_eagle3.engine.loader import load_engine
@@ -471,6 +471,30 @@ def test_hybrid_server_matches_vanilla_and_pools_recent_requests(folders):
         assert len(pool.streams) >= len(prompts) and pool.total <= 4096
     finally:
         srv.close()
+
+
+def test_a_server_started_on_an_all_zero_step_cost_cache_answers_chat(folders, tmp_path, monkeypatch, capsys):
+    """`serve --tree auto` on a cache of zero costs answered every chat request 500 (a division by zero in the
+    planner) while /health said ok: the cache is measured again at start-up, said in one line."""
+    from sglang_eagle3.engine.speculation import Drafting
+    target, draft = folders
+    fake_step_costs(monkeypatch, tmp_path)
+    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", "auto", max_nodes=8))
+    build_state(target, settings, max_running=2, max_queue=8, max_len=256, model_name="tiny")      # measured, cached
+    (file,) = (tmp_path / "step_costs").iterdir()
+    costs = json.loads(file.read_text())
+    costs["verify"] = {b: {t: 0.0 for t in row} for b, row in costs["verify"].items()}
+    file.write_text(json.dumps(costs))
+    capsys.readouterr()
+    srv = LiveServer(build_state(target, settings, max_running=2, max_queue=8, max_len=256, model_name="tiny"))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "w3 w4 w3 w4"}], "max_tokens": 6})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.close()
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and f"{file}: verify[1][1] = 0.0 is not a positive" in warned[0]
 
 
 # ---- misuse of the HTTP layer: OpenAI-shaped errors everywhere, never a 5xx for a client's mistake ---------

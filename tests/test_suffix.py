@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import random_draft, tiny_target
+from conftest import fake_step_costs, linear_cost, random_draft, tiny_target
 
 from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_tree_size
 from sglang_eagle3.engine.engine import SpeculativeEngine
@@ -229,29 +229,169 @@ def test_a_planner_looks_for_proposals_rarely_while_nothing_is_speculated():
     assert planner.idle[4] == 0
 
 
-def test_step_costs_are_measured_once_per_machine_for_the_largest_sizes_asked(tmp_path, monkeypatch):
-    """A smaller batch or tree than measured reads the cache; a larger one measures again, for the larger sizes
-    (not per batch size: a demo at batch 3 after a benchmark at batch 1 would otherwise measure inside its run)."""
-    from sglang_eagle3.engine import cost_model
-    monkeypatch.setattr(cost_model, "cache_dir", lambda: str(tmp_path))    # (not EAGLE3_CACHE: the kernels live there)
-    calls = []
-
-    def fake(target, max_batch, max_tree):
-        calls.append((max_batch, max_tree))
-        return flat_costs()
-    monkeypatch.setattr(cost_model, "measure_costs", fake)
-    tm, _ = tiny_target("llama", vocab_size=64)
-    cost_model.load_or_measure_costs(tm, 2, 16)
-    assert cost_model.load_or_measure_costs(tm, 1, 8).verify == flat_costs().verify and calls == [(2, 16)]
-    cost_model.load_or_measure_costs(tm, 4, 8)
-    assert calls == [(2, 16), (4, 16)]
-    cost_model.load_or_measure_costs(tm, 3, 16)
-    cost_model.load_or_measure_costs(tm, 1, 16, refresh=True)
-    assert calls == [(2, 16), (4, 16), (4, 16)]
+def cache_file(tmp_path):
     (file,) = (tmp_path / "step_costs").iterdir()
-    file.write_text("{torn")
+    return file
+
+
+def warnings_of(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
+def test_step_costs_are_measured_when_first_needed_once_per_machine(tmp_path, monkeypatch, capsys):
+    """Batch 1 at once (with a progress bar saying what is measured), another batch size's rows (the BATCH_SIZES
+    around it) the first time a step runs at it, each kept in the cache: `serve --tree auto` measured batch 1..32 for
+    12 minutes, silently, before it listened."""
+    from sglang_eagle3.engine import cost_model
+    calls = fake_step_costs(monkeypatch, tmp_path)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    costs = cost_model.load_or_measure_costs(tm, 32, 16)
+    assert sorted(costs.verify) == [1] and sorted(costs.verify[1]) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert "measuring step costs at batch 1" in capsys.readouterr().err
+    costs.ensure(3)                                                       # interpolated between batch 2 and 4
+    assert sorted(costs.verify) == [1, 2, 4] and costs.measure_s > 0
+    assert costs.verify[2][4] == pytest.approx(linear_cost(2, 4, 128))
+    n = len(calls)
+    again = cost_model.load_or_measure_costs(tm, 32, 16)                  # cached: nothing measured
+    again.ensure(4)
+    assert len(calls) == n and again.verify == costs.verify and again.measure_s == 0
+    cost_model.load_or_measure_costs(tm, 1, 24)                           # larger trees: batch 1 measured again
+    assert len(calls) > n and max(cost_model.read_cached_costs(str(cache_file(tmp_path))).verify[1]) == 24
+    cost_model.load_or_measure_costs(tm, 1, 16, refresh=True)
+    (tmp_path / "step_costs").joinpath(cache_file(tmp_path).name).write_text("{torn")
+    n = len(calls)
     cost_model.load_or_measure_costs(tm, 1, 16)
-    assert calls[-1] == (1, 16)
+    assert len(calls) > n
+
+
+def test_step_cost_measuring_keeps_to_its_time_budget(tmp_path, monkeypatch, capsys):
+    """Rows the budget cannot afford are extrapolated from the measured ones, said once."""
+    from sglang_eagle3.engine import cost_model
+    fake_step_costs(monkeypatch, tmp_path)
+    monkeypatch.setattr(cost_model, "MEASURE_BUDGET_S", 0.0, raising=False)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    costs = cost_model.load_or_measure_costs(tm, 32, 16)                  # batch 1: always measured
+    for batch in (8, 16, 32):
+        costs.ensure(batch)
+    assert sorted(costs.verify) == [1]
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert "budget for measuring step costs is spent" in line and "extrapolated from the measured ones (1)" in line
+    assert 0 < costs.verify_s(8, 4) < costs.verify_s(16, 4) < math.inf
+
+
+def test_a_step_cost_row_that_falls_as_trees_grow_is_timed_again(tmp_path, monkeypatch, capsys):
+    """A point timed while something else ran (batch 1, 8 tokens: 3.96 s, 16 tokens: 0.80 s) is timed again; a row
+    that still falls is used with its running maximum, said once, and never cached."""
+    from sglang_eagle3.engine import cost_model
+    glitches = {"left": 4}                                                # one median's worth of slow calls
+
+    def glitchy(batch, tokens, context):
+        if (batch, tokens, context) == (1, 8, 128) and glitches["left"] > 0:
+            glitches["left"] -= 1
+            return 3.96
+        return linear_cost(batch, tokens, context)
+    fake_step_costs(monkeypatch, tmp_path, glitchy)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    good = cost_model.load_or_measure_costs(tm, 1, 16)
+    assert good.verify[1][8] == pytest.approx(linear_cost(1, 8, 128))
+    assert cost_model.read_cached_costs(str(cache_file(tmp_path))).verify == good.verify
+    assert not warnings_of(capsys.readouterr().err)
+    glitches["left"] = 10 ** 9                                            # still there when timed again
+    costs = cost_model.load_or_measure_costs(tm, 1, 16, refresh=True)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert "step costs at batch 1 fall as trees grow, also when timed again" in line and "running maximum" in line
+    assert [costs.verify[1][t] for t in (8, 12, 16)] == [3.96, 3.96, 3.96]
+    assert cost_model.read_cached_costs(str(cache_file(tmp_path))).verify == good.verify      # the good row stays
+
+
+BAD_CACHES = {
+    "all zero": ({"verify": {"1": {"1": 0.0, "16": 0.0}}, "per_context": {"1": 0.0}}, "verify[1][1] = 0.0 is not a "
+                                                                                        "positive finite number"),
+    "empty verify": ({"verify": {}, "per_context": {}}, "verify is empty"),
+    "negative": ({"verify": {"1": {"1": -0.01, "16": 0.02}}, "per_context": {}}, "verify[1][1] = -0.01"),
+    "NaN": ({"verify": {"1": {"1": float("nan"), "16": 0.02}}, "per_context": {}}, "verify[1][1] = nan"),
+    "infinite": ({"verify": {"1": {"1": 0.01, "16": 0.02}}, "per_context": {"1": float("inf")}},
+                 "per_context[1] = inf"),
+    "falling": ({"verify": {"1": {"1": 0.01, "8": 3.96, "16": 0.8}}, "per_context": {}},
+                "verify[1]: 16 tokens cost 0.8 s, less than 8 tokens' 3.96 s"),
+    "a list": ([], "holds a JSON list, not a sglang_eagle3.step_costs/1 object"),
+    "a bad key": ({"verify": {"one": {"1": 0.01}}, "per_context": {}}, "verify: key 'one' is not a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CACHES))
+def test_a_bad_step_cost_cache_is_measured_again_in_one_warning(tmp_path, monkeypatch, capsys, case):
+    """Never trusted blindly: all-zero costs divided by zero in `generate` (and made the server answer 500), an empty
+    verify table raised IndexError, a list AttributeError, negative / NaN / inf costs were used without a word."""
+    import json
+
+    from sglang_eagle3.engine import cost_model
+    fake_step_costs(monkeypatch, tmp_path)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    good = cost_model.load_or_measure_costs(tm, 1, 16)
+    file = cache_file(tmp_path)
+    contents, phrase = BAD_CACHES[case]
+    if isinstance(contents, dict):
+        contents = {"format": cost_model.COSTS_FORMAT, **contents, "max_batch": 64, "max_tree": 32}
+    file.write_text(json.dumps(contents))
+    capsys.readouterr()
+    costs = cost_model.load_or_measure_costs(tm, 1, 16)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert line.startswith(f"warning: {file}: ") and phrase in line and "measuring the step costs again" in line
+    assert costs.verify == good.verify and cost_model.read_cached_costs(str(file)).verify == good.verify
+
+
+def test_generate_with_an_all_zero_step_cost_cache_measures_again(tmp_path, monkeypatch, capsys):
+    """All-zero costs in the cache made `generate --tree auto` divide by zero."""
+    import json
+
+    from sglang_eagle3.engine import cost_model
+    fake_step_costs(monkeypatch, tmp_path)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    cost_model.load_or_measure_costs(tm, 1, 16)
+    file = cache_file(tmp_path)
+    zero = json.loads(file.read_text())
+    zero["verify"] = {b: {t: 0.0 for t in row} for b, row in zero["verify"].items()}
+    file.write_text(json.dumps(zero))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None).generate(REPETITIVE[:1], params)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=3), SpecConfig(2, 2, 4),
+                            drafting=Drafting("hybrid", "auto", max_nodes=8))
+    outs, _ = eng.generate(REPETITIVE[:1], params)
+    assert outs[0].token_ids == van[0].token_ids
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert f"{file}: verify[1][1] = 0.0 is not a positive finite number of seconds" in line
+
+
+def test_an_unwritable_step_cost_cache_is_warned_about_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """The cache is optional: a directory where the file goes ([Errno 21]) or a read-only file system ([Errno 30])
+    aborted the run after its measuring."""
+    import errno
+
+    from sglang_eagle3.engine import cost_model
+    fake_step_costs(monkeypatch, tmp_path)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    cost_model.load_or_measure_costs(tm, 1, 16)
+    file = cache_file(tmp_path)
+    file.unlink()
+    file.mkdir()
+    capsys.readouterr()
+    costs = cost_model.load_or_measure_costs(tm, 4, 16)
+    costs.ensure(4)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert line == f"warning: {file}: is a directory; the step costs measured now are not kept"
+    assert sorted(costs.verify) == [1, 4] and file.is_dir()
+
+    def read_only(path, obj):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(cost_model, "write_json", read_only)
+    file.rmdir()
+    costs = cost_model.load_or_measure_costs(tm, 4, 16)
+    costs.ensure(2)
+    costs.ensure(4)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert line.startswith(f"warning: {file}: ") and "Read-only file system" in line and "not kept" in line
+    assert sorted(costs.verify) == [1, 2, 4] and not file.exists()
 
 
 def test_a_planner_that_stopped_drafting_measures_the_draft_again():

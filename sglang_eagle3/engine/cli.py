@@ -123,5 +123,7 @@ def run_generate(a) -> int:
     print(f"draft: {settings.draft or 'none (vanilla)'} | {settings.describe()} | {settings.dtype} | "
           f"tokens: {stats.generated_tokens} | verify steps: {stats.verify_steps} | "
           f"accept length: {stats.accept_length:.2f} | {stats.tokens_per_s:.1f} tok/s | "
-          f"draft {stats.draft_time:.2f}s verify {stats.verify_time:.2f}s prefill {stats.prefill_time:.2f}s")
+          f"draft {stats.draft_time:.2f}s verify {stats.verify_time:.2f}s prefill {stats.prefill_time:.2f}s" +
+          (f" | step costs measured in {stats.cost_measure_s:.1f}s (once per machine, not counted above)"
+           if stats.cost_measure_s else ""))
     return 0

@@ -5,8 +5,10 @@ target forward over the tree. With each candidate node's chance to be accepted (
 the calibrated chance of a context continuation), the expected tokens of the N best nodes are 1 + the sum of their
 chances, and `choose_tree_size` picks the N (1: no speculation) that maximises expected tokens per second.
 
-The costs are measured on the machine that decodes (`measure_costs`: a few seconds of target and draft forwards,
-cached per machine, kernel build, model and dtype) and kept up to date from the steps the engine runs.
+The costs are measured on the machine that decodes (`MeasuredCosts`: target forwards, a batch size's row the first
+time a step runs at it, within a time budget; cached per machine, kernel build, model and dtype) and kept up to date
+from the steps the engine runs. A cached table is checked before it is used (`StepCosts.from_json`): a bad one is
+measured again, with one warning line naming the file.
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from sglang_eagle3.fileio import write_json
+from sglang_eagle3.errors import one_line
+from sglang_eagle3.fileio import existing_ancestor, write_json
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.paths import cache_dir
 
@@ -29,15 +33,56 @@ COSTS_FORMAT = "sglang_eagle3.step_costs/1"
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
+MEASURE_BUDGET_S = 30.0   # seconds of measuring per table at most (batch 1 aside); rows past it are extrapolated
+NOISE = 0.1               # a larger tree may time this fraction below a smaller one's (timer noise), no more
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys) (sorted xs), linear extrapolation past both ends."""
-    if len(xs) == 1:
+    """Piecewise-linear through (xs, ys) (sorted xs); proportional below the first point and never falling past the
+    last one (a cost is positive and grows with its size, whatever the noise between two measured points)."""
+    if len(xs) == 1 or x <= xs[0]:
         return ys[0] * x / xs[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    slope = (y1 - y0) / (x1 - x0)
+    return y0 + slope * (x - x0) if x <= x1 else y1 + max(0.0, slope) * (x - x1)
+
+
+def falls(row: dict[int, float]) -> list[tuple[int, int]]:
+    """(smaller tree, larger tree) wherever a row's cost falls more than NOISE below a smaller tree's: a verify over
+    more tokens never costs less, so such a row was timed while something else ran."""
+    found, top = [], None
+    for t in sorted(row):
+        if top is not None and row[t] < (1 - NOISE) * row[top]:
+            found.append((top, t))
+        if top is None or row[t] > row[top]:
+            top = t
+    return found
+
+
+def _keyed(name: str, table, nonempty: bool = False) -> dict:
+    """A JSON table's entries by positive integer key; ValueError naming the table otherwise."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} is missing" if table is None else f"{name} is a {type(table).__name__}, not a table")
+    if nonempty and not table:
+        raise ValueError(f"{name} is empty")
+    bad = next((k for k in table if not (str(k).isdigit() and int(k) >= 1)), None)
+    if bad is not None:
+        raise ValueError(f"{name}: key {bad!r} is not a positive integer")
+    return {int(k): v for k, v in table.items()}
+
+
+def _seconds(name: str, value, positive: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} = {value!r} is not a {'positive' if positive else 'non-negative'} finite number "
+                         "of seconds")
+    return float(value)
+
+
+def _seconds_table(name: str, table, positive: bool = False, nonempty: bool = False) -> dict[int, float]:
+    return {k: _seconds(f"{name}[{k}]", v, positive) for k, v in _keyed(name, table, nonempty).items()}
 
 
 @dataclass
@@ -51,6 +96,10 @@ class StepCosts:
     draft_level: dict[int, float] = field(default_factory=dict)
     draft_extend: dict[int, float] = field(default_factory=dict)
     source: str = ""
+    measure_s = 0.0           # seconds spent measuring the table in this process (none: a given table)
+
+    def ensure(self, batch: int) -> None:
+        """Have the rows a step at `batch` reads: a given table has nothing to measure."""
 
     def verify_s(self, batch: int, tree_size: int, context: int = CONTEXTS[0]) -> float:
         bs = sorted(self.verify)
@@ -77,14 +126,27 @@ class StepCosts:
                 "draft_level": keyed(self.draft_level), "draft_extend": keyed(self.draft_extend), "source": self.source}
 
     @classmethod
-    def from_json(cls, d: dict) -> "StepCosts":
+    def from_json(cls, d) -> "StepCosts":
+        """The costs a step_costs file holds, checked: ValueError naming the first table, key or value that is wrong
+        (positive finite verify seconds, growing with the tree within NOISE; non-negative finite others)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"holds a JSON {type(d).__name__}, not a {COSTS_FORMAT} object")
         if d.get("format") != COSTS_FORMAT:
-            raise ValueError(f"not a {COSTS_FORMAT} file")
-
-        def ints(x: dict) -> dict:
-            return {int(k): (ints(v) if isinstance(v, dict) else float(v)) for k, v in x.items()}
-        return cls(ints(d["verify"]), ints(d["per_context"]), ints(d.get("draft_level", {})),
-                   ints(d.get("draft_extend", {})), d.get("source", ""))
+            raise ValueError(f"format is {d.get('format')!r}, not {COSTS_FORMAT!r}")
+        verify = {b: _seconds_table(f"verify[{b}]", row, positive=True, nonempty=True)
+                  for b, row in _keyed("verify", d.get("verify"), nonempty=True).items()}
+        for b, row in verify.items():
+            fell = falls(row)
+            if fell:
+                small, large = fell[0]
+                raise ValueError(f"verify[{b}]: {large} tokens cost {row[large]:.4g} s, less than {small} tokens' "
+                                 f"{row[small]:.4g} s (a larger tree never costs less: timed while something else ran)")
+        source = d.get("source", "")
+        if not isinstance(source, str):
+            raise ValueError(f"source is a {type(source).__name__}, not a string")
+        return cls(verify, _seconds_table("per_context", d.get("per_context")),
+                   _seconds_table("draft_level", d.get("draft_level", {})),
+                   _seconds_table("draft_extend", d.get("draft_extend", {})), source)
 
 
 def choose_tree_size(scores: list[list[float]], costs: StepCosts, batch: int, max_nodes: int, draft_s: float = 0.0,
@@ -131,6 +193,15 @@ class TreePlanner:
     def _bucket(self, table: dict, batch: int) -> Optional[float]:
         keys = [b for b in table if b <= batch]
         return table[max(keys)] if keys else (table[min(table)] if table else None)
+
+    def prepare(self, batch: int) -> None:
+        """Before a step at `batch`: have its costs (a measured table measures their rows the first time)."""
+        self.costs.ensure(batch)
+
+    @property
+    def measure_s(self) -> float:
+        """Seconds its costs took to measure in this process (a one-off: not decoding time)."""
+        return self.costs.measure_s
 
     def verify_s(self, batch: int, nodes: int, context: int) -> float:
         return self.costs.verify_s(batch, nodes, context) * (self._bucket(self.verify_factor, batch) or 1.0)
@@ -190,9 +261,9 @@ class TreePlanner:
 
 # ---- measuring ---------------------------------------------------------------------------------------------
 def prepared_forward(target, context: int, tree_size: int, batch: int = 1):
-    """A callable timing one target forward over tree_size new tokens per row (a chain) after `context` cached
-    tokens (its own cache, filled once; the new tokens are never committed, so every call does the same work).
-    bench_decode times its step part with it too."""
+    """A callable timing one target forward over `tokens` (at most tree_size, default all) new tokens per row (a chain)
+    after `context` cached tokens (its own cache, filled once; the new tokens are never committed, so every call does
+    the same work). bench_decode times its step part with it too."""
     cache = target.new_cache(batch, context + tree_size + 1)
     dev = target.device
     rows = torch.arange(batch, device=dev)
@@ -203,10 +274,10 @@ def prepared_forward(target, context: int, tree_size: int, batch: int = 1):
     pos = (context + torch.arange(tree_size, device=dev)).expand(batch, tree_size)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def forward() -> float:
+    def forward(tokens: int = tree_size) -> float:
         sync()
         t0 = time.perf_counter()
-        target(cache, new, pos, want_aux=True)
+        target(cache, new[:, :tokens], pos[:, :tokens], want_aux=True)
         sync()
         return time.perf_counter() - t0
     return forward
@@ -222,39 +293,167 @@ def tree_sizes_for(batch: int, max_tree: int) -> list[int]:
     return [t for t in TREE_SIZES if t <= max_tree and (t <= 2 or batch * t <= 128)]
 
 
-def measure_costs(target, max_batch: int = 1, max_tree: int = 16, repeats: int = 3) -> StepCosts:
-    """Time target forwards on this machine: B rows x T tokens at a short context, and T tokens of one row at a
-    long one (about a second at batch 1 on 2 CPU cores; the draft's costs are learnt from the steps it runs)."""
-    bs = [b for b in BATCH_SIZES if b <= max_batch] or [1]
-    verify = {b: {t: _median_time(prepared_forward(target, CONTEXTS[0], t, b), repeats)
-                  for t in tree_sizes_for(b, max_tree)} for b in bs}
-    longest = max(verify[1])
-    far = {t: _median_time(prepared_forward(target, CONTEXTS[1], t, 1), repeats) for t in sorted({1, longest})}
-    per_context = {t: max(0.0, far[t] - verify[1][t]) / (CONTEXTS[1] - CONTEXTS[0]) for t in far}
-    return StepCosts(verify, per_context, source=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
+def rows_for(batch: int, max_batch: int) -> list[int]:
+    """The rows a step at `batch` interpolates between: the BATCH_SIZES around it (none above max_batch: then the
+    largest is max_batch; past the last of BATCH_SIZES, the batch itself)."""
+    below = max(b for b in BATCH_SIZES if b <= batch)
+    above = min([b for b in BATCH_SIZES if b >= batch] or [batch])
+    return sorted({below, min(above, max(max_batch, batch))})
 
 
-def load_or_measure_costs(target, max_batch: int = 1, max_tree: int = 16, refresh: bool = False) -> StepCosts:
-    """This machine's costs for this target: from the cache if measured before for at least these batch and tree
-    sizes, else measured now (for the largest sizes asked for so far) and cached (per CPU model, kernel build,
-    threads, target, dtype and torch)."""
+def cache_problem(path: str) -> Optional[str]:
+    """Why the cache file at path cannot be written (None: as far as can be told before writing, it can)."""
+    if os.path.isdir(path):
+        return "is a directory"
+    folder = existing_ancestor(path)
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is not writable"
+    return None
+
+
+def _warn(text: str) -> None:
+    """One line on stderr, on a line of its own while a progress bar shows."""
+    from tqdm import tqdm
+    tqdm.write(f"warning: {text}", file=sys.stderr)
+
+
+def read_cached_costs(path: str) -> Optional[StepCosts]:
+    """The table cached at path, checked; None when there is none, or (said in one line) when it is unreadable or
+    wrong."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return StepCosts.from_json(json.load(f))
+    except (OSError, ValueError) as e:                       # JSONDecodeError, UnicodeDecodeError: ValueErrors
+        why = f"not JSON ({e})" if isinstance(e, json.JSONDecodeError) else one_line(e)
+        _warn(f"{path}: {why}; measuring the step costs again")
+        return None
+
+
+class MeasuredCosts(StepCosts):
+    """This machine's costs for a target, measured when the planner needs them: batch 1 at once, another batch size's
+    rows (the BATCH_SIZES around it) the first time a step runs at it. Each point is the median of `repeats` timings;
+    the points of a row that falls as trees grow are timed again, and a row that still falls is used with its running
+    maximum (said once) and never cached. Past MEASURE_BUDGET_S seconds of measuring, the rows not measured are
+    extrapolated from the measured ones (said once). Measured rows are written to the cache file; one that cannot be
+    written is said once and the run goes on without it."""
+
+    def __init__(self, target, path: str, cached: Optional[StepCosts] = None, max_batch: int = 1, max_tree: int = 16,
+                 repeats: int = 3, key: Optional[dict] = None):
+        table = cached or StepCosts({}, {})
+        super().__init__(table.verify, table.per_context, table.draft_level, table.draft_extend, table.source)
+        self.target, self.path, self.key = target, path, key or {}
+        self.max_batch, self.max_tree, self.repeats = max_batch, max_tree, repeats
+        self.budget_s = MEASURE_BUDGET_S
+        self.measure_s = 0.0
+        self.unkept: set[int] = set()             # rows that still fell when timed again: used, never cached
+        self.extrapolated: set[int] = set()       # rows the budget left unmeasured
+        problem = cache_problem(path)
+        self.keep = problem is None
+        if problem:
+            _warn(f"{path}: {problem}; the step costs measured now are not kept")
+
+    def ensure(self, batch: int) -> None:
+        for b in rows_for(batch, self.max_batch):
+            if self._missing(b):
+                self._measure(b)
+
+    def _missing(self, batch: int) -> bool:
+        row = self.verify.get(batch)
+        return batch not in self.extrapolated and (not row or max(row) < max(tree_sizes_for(batch, self.max_tree)))
+
+    def _estimate(self, batch: int, sizes: list[int]) -> float:
+        """Seconds measuring a row would take, from the rows measured: its cache's fill and its timed forwards."""
+        return self.verify_s(batch, CONTEXTS[0]) + (self.repeats + 1) * sum(self.verify_s(batch, t) for t in sizes)
+
+    def _measure(self, batch: int) -> None:
+        from tqdm import tqdm
+        sizes = tree_sizes_for(batch, self.max_tree)
+        if self.verify and self._estimate(batch, sizes) > self.budget_s - self.measure_s:
+            self._skip(batch)
+            return
+        start = time.perf_counter()
+        far = self._far_context(max(sizes)) if batch == 1 else 0
+        points = len(sizes) + (len({1, max(sizes)}) if far else 0)
+        with tqdm(total=points, desc=f"measuring step costs at batch {batch}", unit=" point", file=sys.stderr) as bar:
+            row = self._time_row(batch, sizes, bar)
+            if far:
+                self.per_context = self._time_context(far, row, bar)
+        self.verify[batch] = row
+        self.source = f"measured {time.strftime('%Y-%m-%d %H:%M')}"
+        self.measure_s += time.perf_counter() - start
+        self._save()
+
+    def _timer(self, forward, batch: int, context: int, bar):
+        def time_at(tokens: int) -> float:
+            bar.set_postfix_str(f"{batch} x {tokens} tokens after {context}", refresh=False)
+            seconds = _median_time(lambda: forward(tokens), self.repeats)
+            bar.update()
+            return seconds
+        return time_at
+
+    def _time_row(self, batch: int, sizes: list[int], bar) -> dict[int, float]:
+        time_at = self._timer(prepared_forward(self.target, CONTEXTS[0], max(sizes), batch), batch, CONTEXTS[0], bar)
+        row = {t: time_at(t) for t in sizes}
+        again = sorted({t for pair in falls(row) for t in pair})
+        if again:                                         # noise, or something else ran meanwhile: time them again
+            bar.total += len(again)
+            row.update({t: time_at(t) for t in again})
+        fell = falls(row)
+        if fell:
+            small, large = fell[0]
+            _warn(f"step costs at batch {batch} fall as trees grow, also when timed again ({large} tokens "
+                  f"{row[large]:.4g} s < {small} tokens {row[small]:.4g} s; is something else using the machine?): "
+                  "using their running maximum for this run, not caching them")
+            top = 0.0
+            for t in sorted(row):
+                row[t] = top = max(top, row[t])
+            self.unkept.add(batch)
+        return row
+
+    def _far_context(self, longest: int) -> int:
+        """The long context per_context is timed at: CONTEXTS[1], within the target's context (0: too short)."""
+        limit = int(getattr(self.target.hf_config, "max_position_embeddings", 0) or 0) or CONTEXTS[1] + longest + 1
+        far = min(CONTEXTS[1], limit - longest - 1)
+        return far if far > CONTEXTS[0] else 0
+
+    def _time_context(self, far: int, row: dict[int, float], bar) -> dict[int, float]:
+        """Extra seconds per cached token of one row, from T tokens timed after `far` cached tokens."""
+        longest = max(row)
+        time_at = self._timer(prepared_forward(self.target, far, longest, 1), 1, far, bar)
+        return {t: max(0.0, time_at(t) - row[t]) / (far - CONTEXTS[0]) for t in sorted({1, longest})}
+
+    def _skip(self, batch: int) -> None:
+        self.extrapolated.add(batch)
+        if len(self.extrapolated) == 1:
+            _warn(f"the {self.budget_s:g} s budget for measuring step costs is spent: batch size {batch} and those not "
+                  f"measured yet are extrapolated from the measured ones ({', '.join(map(str, sorted(self.verify)))})")
+
+    def _save(self) -> None:
+        kept = {b: row for b, row in self.verify.items() if b not in self.unkept}
+        if not self.keep or not kept:
+            return
+        table = StepCosts(kept, self.per_context, self.draft_level, self.draft_extend, self.source)
+        try:
+            write_json(self.path, {**table.to_json(), "key": self.key})
+        except OSError as e:
+            self.keep = False
+            _warn(f"{self.path}: {one_line(e)}; the step costs measured now are not kept")
+
+
+def load_or_measure_costs(target, max_batch: int = 1, max_tree: int = 16, refresh: bool = False) -> MeasuredCosts:
+    """This machine's costs for this target (cached per CPU model, kernel build, threads, target, dtype and torch):
+    the cached table if it is sound (else measured again, said in one line), batch 1 measured now if it lacks it,
+    other batch sizes up to max_batch when steps first run at them."""
     key = {"cpu": extension.cpu_model(), "kernel": extension.few_row_kernel(), "isa": extension.kernel_isa(),
            "threads": torch.get_num_threads(), "target": f"{getattr(target.hf_config, '_name_or_path', '')}:"
                      f"{target.num_layers}x{target.hidden_size}",
            "dtype": str(target.dtype), "device": str(target.device), "torch": torch.__version__}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), "step_costs", f"{digest}.json")
-    if os.path.isfile(path):
-        try:
-            with open(path) as f:
-                cached = json.load(f)
-            costs = StepCosts.from_json(cached)
-            covered = cached["max_batch"], cached["max_tree"]
-            if not refresh and covered[0] >= max_batch and covered[1] >= max_tree:
-                return costs
-            max_batch, max_tree = max(max_batch, covered[0]), max(max_tree, covered[1])
-        except (ValueError, KeyError, TypeError):
-            pass                                             # a stale or torn file: measure again
-    costs = measure_costs(target, max_batch, max_tree)
-    write_json(path, {**costs.to_json(), "key": key, "max_batch": max_batch, "max_tree": max_tree})
+    costs = MeasuredCosts(target, path, None if refresh else read_cached_costs(path), max_batch, max_tree, key=key)
+    costs.ensure(1)
     return costs

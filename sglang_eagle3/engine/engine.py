@@ -49,6 +49,7 @@ class BatchStats:
     decode_steps: int = 0            # batched decoding steps
     tree_nodes: int = 0              # tokens per row the verifies ran, summed over steps
     context_tokens: int = 0          # accepted tokens the context alone proposed
+    cost_measure_s: float = 0.0      # measuring this machine's step costs (--tree auto, once): not in total_time
 
     @property
     def accept_length(self) -> float:
@@ -68,7 +69,8 @@ class BatchStats:
                 "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,
                 "prefill_time_s": self.prefill_time, "total_time_s": self.total_time,
                 "decode_steps": self.decode_steps, "drafted_steps": self.drafted_steps,
-                "tree_nodes": self.tree_nodes, "context_tokens": self.context_tokens}
+                "tree_nodes": self.tree_nodes, "context_tokens": self.context_tokens,
+                "cost_measure_s": self.cost_measure_s}
 
 
 def eos_ids_of(target) -> set[int]:
@@ -144,6 +146,11 @@ class SpeculativeEngine:
     def tree_slots(self) -> int:
         return tree_slots(self.spec, self.profile, self.drafting, self.draft is not None)
 
+    def cost_measure_s(self) -> float:
+        """Seconds spent so far measuring the step costs its planner uses (a one-off per machine, not decoding)."""
+        s = self._scheduler
+        return s.planner.measure_s if s is not None and s.planner is not None else 0.0
+
     def scheduler(self, max_running: int, max_len: int) -> Scheduler:
         """A scheduler with at least these rows and slots (kept between calls; grown when needed)."""
         s = self._scheduler
@@ -161,7 +168,7 @@ class SpeculativeEngine:
                  batch_size: Optional[int] = None, truncate: bool = False) -> tuple[list[RequestOutput], BatchStats]:
         """Decode every prompt; raises RequestError (naming the prompt) if one cannot fit the context."""
         params = params or SamplingParams()
-        t0 = time.perf_counter()
+        t0, measured = time.perf_counter(), self.cost_measure_s()
         ids = []
         for i, p in enumerate(prompts):
             x = self.encode(p, truncate, params.max_new_tokens)
@@ -183,8 +190,10 @@ class SpeculativeEngine:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"request failed: {failed[0].error}")
+        measured = self.cost_measure_s() - measured
         stats = BatchStats(st.generated_tokens, st.verify_steps, st.times.draft, st.times.verify, st.times.prefill,
-                           time.perf_counter() - t0, st.drafted_steps, st.steps, st.tree_nodes, st.context_tokens)
+                           time.perf_counter() - t0 - measured, st.drafted_steps, st.steps, st.tree_nodes,
+                           st.context_tokens, measured)
         outputs = [RequestOutput(r.prompt, r.text, r.output_ids, r.finish_reason, r.verify_steps, r.accept_lengths,
                                  r.output_logprobs, r.context_tokens) for r in reqs]
         return outputs, stats

@@ -229,6 +229,8 @@ class Scheduler:
             context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
             greedy = [r.params.greedy for r in active]
             keys = [r.rid for r in active]
+            if self.planner is not None:
+                self.planner.prepare(len(active))          # this batch size's costs: measured the first time
             look = self.context is not None and (self.planner is None or self.planner.wants_proposals(len(active)))
             proposals = self.context.proposals(keys, greedy) if look else None
             res = self.worker.step([r.row for r in active], [r.params for r in active],
