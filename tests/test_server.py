@@ -162,11 +162,19 @@ def test_models_health_metrics(live):
     assert models["data"][0]["id"] == "tiny" and models["object"] == "list"
     h = httpx.get(live.url + "/health").json()
     assert h["status"] == "ok" and h["max_running"] == 4
+    assert client(live).models.retrieve("tiny").id == "tiny"              # GET /v1/models/{model}
+    r = httpx.get(live.url + "/v1/models/org/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     m = httpx.get(live.url + "/metrics")
     assert m.headers["content-type"].startswith("text/plain")
     for name in ("eagle3_generated_tokens_total", "eagle3_accept_length", "eagle3_running_requests",
                  "eagle3_queued_requests", "eagle3_generation_tokens_per_second", "eagle3_free_kv_rows"):
         assert f"\n{name} " in "\n" + m.text, name
+
+
+def ask(**fields) -> dict:
+    """A chat request for w1 with these fields set (or replaced)."""
+    return {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], **fields}
 
 
 @pytest.mark.parametrize("body,status,param,phrase", [
@@ -224,6 +232,43 @@ def test_models_health_metrics(live):
      "max_completion_tokens", ">= 1, got 0"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "stop": [5]}, 400, "stop", "valid string"),
     ('[1, 2]', 400, None, "request body must be a JSON object"),
+    # OpenAI parameters this server cannot honour are refused, naming them (they used to be answered 200)
+    (ask(prediction={"type": "content", "content": "w1 w2"}), 400, "prediction", "not supported"),
+    (ask(modalities=["text", "audio"]), 400, "modalities", "not supported"),
+    (ask(audio={"voice": "alloy", "format": "wav"}), 400, "audio", "not supported"),
+    (ask(reasoning_effort="high"), 400, "reasoning_effort", "not supported"),
+    (ask(web_search_options={}), 400, "web_search_options", "not supported"),
+    (ask(store=True), 400, "store", "not supported"),
+    (ask(service_tier="priority"), 400, "service_tier", "not supported"),
+    (ask(verbosity="low"), 400, "verbosity", "not supported"),
+    (ask(stream=True, stream_options={"continuous_usage_stats": True}), 400, "stream_options.continuous_usage_stats",
+     "not supported"),
+    (ask(stream=True, stream_options={"include_usage": "no"}), 400, "stream_options.include_usage",
+     "got string \"no\""),
+    (ask(max_tokens=5, max_completion_tokens=7), 400, "max_completion_tokens", "max_tokens 5 and max_completion_tokens 7"),
+    # booleans (and strings) are not numbers: true used to be taken as 1
+    (ask(max_tokens=True), 400, "max_tokens", "valid integer, got boolean true"),
+    (ask(max_completion_tokens=True), 400, "max_completion_tokens", "valid integer, got boolean true"),
+    (ask(temperature=True), 400, "temperature", "valid number, got boolean true"),
+    (ask(top_p=False), 400, "top_p", "got boolean false"),
+    (ask(n=True), 400, "n", "got boolean true"),
+    (ask(seed=False), 400, "seed", "got boolean false"),
+    (ask(top_k=True), 400, "top_k", "got boolean true"),
+    (ask(logprobs=True, top_logprobs=True), 400, "top_logprobs", "got boolean true"),
+    (ask(max_tokens="3"), 400, "max_tokens", "got string \"3\""),
+    (ask(stream=1), 400, "stream", "valid boolean, got number 1"),
+    (ask(ignore_eos="yes"), 400, "ignore_eos", "got string"),
+    # text that is not Unicode, and JSON nested past what the reader takes, named as such
+    (ask(messages=[{"role": "user", "content": "w1 \ud800"}]), 400, "messages[0].content",
+     "messages[0].content holds a lone surrogate \\ud800 at character 3"),
+    (ask(messages=[{"role": "user", "content": [{"type": "text", "text": "w1"}, {"type": "text", "text": "\udfff"}]}]),
+     400, "messages[0].content[1].text", "lone surrogate \\udfff at character 0"),
+    (ask(stop=["w1", "w2\ud800"]), 400, "stop[1]", "stop[1] holds a lone surrogate \\ud800 at character 2"),
+    ('{"model": "tiny", "messages": ' + "[" * 100000 + "]" * 100000 + "}", 400, None,
+     "the request body nests 100001 levels deep"),
+    # a content that is neither a string nor a list of parts says what it should be
+    (ask(messages=[{"role": "user", "content": ["w1"]}]), 400, "messages[0].content[0]",
+     "a content part is an object"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body, status, param, phrase):
     data = body if isinstance(body, str) else json.dumps(body)            # json.dumps writes NaN as NaN
@@ -239,13 +284,33 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live, body,
 
 def test_no_op_values_of_unsupported_parameters_are_accepted(live):
     body = {"model": "tiny", "messages": chat("w1"), "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
-            "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "best_of": 1, "user": "u1"}
+            "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "best_of": 1, "user": "u1",
+            "modalities": ["text"], "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+            "metadata": {"k": "v"}, "prompt_cache_key": "c", "safety_identifier": "s", "max_completion_tokens": 2}
     assert httpx.post(live.url + "/v1/chat/completions", json=body).status_code == 200
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": False, "include_obfuscation": False}}
+    assert httpx.post(live.url + "/v1/chat/completions", json=streamed).status_code == 200
     for bad, param in [({"logprobs": True}, "logprobs"), ({"logprobs": 2, "echo": True}, "echo"),
                        ({"logprobs": 30}, "logprobs"), ({"suffix": "w3"}, "suffix")]:
         r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
+
+
+@pytest.mark.parametrize("prompt,phrase", [
+    ([True, False], "prompt[0] = true: a token id is an integer"),         # used to be the token ids [1, 0]
+    ([[5, True]], "prompt[0][1] = true: a token id is an integer"),
+    ([5, 2.0], "prompt[1] = 2.0: a token id is an integer"),
+    ("w1 \ud800", "prompt holds a lone surrogate \\ud800 at character 3"),
+    (["w2\udc00"], "prompt[0] holds a lone surrogate \\udc00 at character 2"),
+    ({"text": "w1"}, "prompt must be a string or a list of token ids, got object"),
+])
+def test_bad_completion_prompts_are_named(live, prompt, phrase):
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2})         # JSON escapes the surrogates
+    r = httpx.post(live.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert phrase in err["message"] and err["param"] == "prompt", err
 
 def test_logprobs_chat_and_completions_streamed_or_not(live, folders):
     """The target's log-probs of each token (vanilla offline = speculative server), the same streamed in pieces."""
@@ -318,6 +383,7 @@ def test_full_queue_answers_503_with_retry_after(folders):
         assert busy and all(r.status_code in (200, 503) for r in codes)
         assert busy[0].headers["Retry-After"] == "1" and busy[0].json()["error"]["code"] == "server_busy"
         assert httpx.get(srv.url + "/metrics").text.count('eagle3_requests_total{status="rejected"} ' + str(len(busy)))
+        assert metric(srv.url, 'eagle3_http_responses_total{code="503"}') == len(busy)
     finally:
         srv.close()
 
@@ -365,6 +431,165 @@ def test_client_disconnect_cancels_and_frees_the_row(live):
     assert count(after) == count(before) + 1
 
 
+def metric(url: str, name: str) -> int:
+    """A counter of the server's /metrics (0 while it has no line)."""
+    line = next((ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(name + " ")), None)
+    return int(float(line.split()[-1])) if line else 0
+
+
+def slow_steps(monkeypatch, sched, seconds=0.03):
+    """Each scheduler step takes at least `seconds`: a request of a few hundred tokens lasts long enough to act on."""
+    step = sched.step
+
+    def slow():
+        time.sleep(seconds)
+        step()
+    monkeypatch.setattr(sched, "step", slow)
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_row(live, monkeypatch):
+    """A client that gives up on a non-streaming request has it cancelled and its row freed at once (it used to
+    hold its row until max_tokens: minutes for a long answer)."""
+    slow_steps(monkeypatch, live.state.scheduler)                  # 240 tokens: 2 s at least
+    cancelled = 'eagle3_requests_total{status="cancelled"}'
+    before = metric(live.url, cancelled)
+    body = {"model": "tiny", "messages": chat("w9 w8"), "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.5)
+    wait_idle(live)
+    assert metric(live.url, cancelled) == before + 1
+
+
+def test_stopping_the_server_answers_requests_in_flight_and_logs_no_traceback(folders, monkeypatch):
+    """SIGTERM / Ctrl-C with requests generating: after the grace period each is stopped and answered (a 503, or an
+    error event mid-stream) naming the shutdown, and nothing is logged as an error (uvicorn used to cancel their
+    handlers and log a CancelledError traceback for each)."""
+    import logging
+
+    from sglang_eagle3.serving.server import make_server
+    target, draft = folders
+    state = build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=4, max_queue=64,
+                        max_len=256, model_name="tiny")
+    slow_steps(monkeypatch, state.scheduler)
+    port = free_port()
+    server = make_server(state, "127.0.0.1", port, "info", grace_s=0.5)
+    logged = []
+    catch = logging.Handler(logging.ERROR)
+    catch.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("uvicorn.error").addHandler(catch)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url, answers = f"http://127.0.0.1:{port}", {}
+    body = {"model": "tiny", "messages": chat("w9 w8"), "max_tokens": 240, "ignore_eos": True}
+
+    def plain():
+        answers["plain"] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+    def streamed():
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            answers["stream"] = [ln for ln in r.iter_lines() if ln]
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        clients = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        [c.start() for c in clients]
+        while httpx.get(url + "/health").json()["running"] < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        server.should_exit = True                                   # what uvicorn's SIGTERM handler does
+        thread.join(timeout=30)
+        [c.join(timeout=30) for c in clients]
+        assert not thread.is_alive()
+        r = answers["plain"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+        assert "shutting down" in r.json()["error"]["message"]
+        events = answers["stream"]
+        assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        assert logged == []
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(catch)
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_other_requests(live, monkeypatch):
+    """Prompts are tokenized off the event loop: /health answers while a long prompt is being tokenized (the whole
+    server used to freeze for as long as that took: 38 s for a 20 MB body)."""
+    from sglang_eagle3.serving import server
+    real = server.encode_prompt
+
+    def slow(tokenizer, prompt):
+        time.sleep(1.5)
+        return real(tokenizer, prompt)
+    monkeypatch.setattr(server, "encode_prompt", slow)
+    answer = {}
+    asking = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        live.url + "/v1/chat/completions", json=ask(max_tokens=2), timeout=60)))
+    asking.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    health = httpx.get(live.url + "/health", timeout=10)
+    waited = time.perf_counter() - t0
+    asking.join()
+    assert health.status_code == 200 and waited < 0.5, waited
+    assert answer["r"].status_code == 200
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(live):
+    """A body over the server's limit (default: 4 MiB, or 256 bytes a token of --max-len) is refused with a 413
+    naming the limit and the flag, declared or streamed in chunks; it used to be read, parsed and tokenized first."""
+    big = json.dumps(ask(messages=chat("w1 " * (5 * 2 ** 20 // 3)), max_tokens=2)).encode()
+    for how in ({"content": big}, {"content": iter([big[i:i + 2 ** 16] for i in range(0, len(big), 2 ** 16)])}):
+        t0 = time.perf_counter()
+        r = httpx.post(live.url + "/v1/chat/completions", headers={"Content-Type": "application/json"}, timeout=60,
+                       **how)
+        assert r.status_code == 413, r.text[:300]
+        err = r.json()["error"]
+        assert "exceeds this server's limit of 4194304 bytes (4 MiB; eagle3 serve --max-body-mb)" in err["message"]
+        assert err["code"] == "request_too_large" and time.perf_counter() - t0 < 5
+    assert httpx.post(live.url + "/v1/chat/completions", json=ask(max_tokens=2)).status_code == 200
+
+
+def test_max_body_mb_sets_the_limit(folders, capsys):
+    from fastapi.testclient import TestClient
+    target, _ = folders
+    assert eagle3_main(["serve", "--engine", "builtin", "--target", target, "--max-body-mb", "0", "--dry-run"]) == 2
+    assert "--max-body-mb must be > 0, got 0" in capsys.readouterr().err
+    state = build_state(target, Settings("float32", None, None, None, "test"), 2, 8, 64, "tiny", max_body_mb=0.001)
+    with TestClient(create_app(state)) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "w1 " * 1000, "max_tokens": 2})
+        assert r.status_code == 413 and "limit of 1049 bytes (0.001 MiB" in r.json()["error"]["message"], r.text
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2}).status_code == 200
+
+def test_a_prompt_the_tokenizer_refuses_is_named_as_such(live, monkeypatch):
+    """A completions prompt the tokenizer cannot take is "cannot tokenize the prompt" (param prompt), not a chat
+    template's failure (param messages)."""
+    from sglang_eagle3.serving import server
+
+    def refuse(tokenizer, prompt):
+        raise ValueError("no such characters")
+    monkeypatch.setattr(server, "encode_prompt", refuse)
+    r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and "cannot tokenize the prompt: no such" in err["message"]
+    r = httpx.post(live.url + "/v1/chat/completions", json=ask(max_tokens=2))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages" and "cannot apply the chat template" in err["message"]
+
+def test_every_5xx_is_counted_on_metrics(live, monkeypatch):
+    """Responses by status code on /metrics: a generation that fails is a 500 counted there, as is a bug's 500."""
+    fivehundreds = 'eagle3_http_responses_total{code="500"}'
+    before = metric(live.url, fivehundreds)
+    ok = metric(live.url, 'eagle3_http_responses_total{code="200"}')
+
+    def broken(*a, **k):
+        raise RuntimeError("a kernel failed")
+    monkeypatch.setattr(live.state.scheduler.worker, "step", broken)
+    r = httpx.post(live.url + "/v1/chat/completions", json=ask(max_tokens=5))
+    assert r.status_code == 500 and "RuntimeError: a kernel failed" in r.json()["error"]["message"], r.text
+    assert metric(live.url, fivehundreds) == before + 1
+    assert metric(live.url, 'eagle3_http_responses_total{code="200"}') > ok         # /metrics itself
+
 def test_load_200_requests_at_concurrency_32_without_leaks(live):
     import psutil
     proc = psutil.Process(os.getpid())
@@ -409,6 +634,25 @@ def test_bench_serving_against_live_servers(live, tmp_path, folders):
     assert "concurrency" in (tmp_path / "serving.md").read_text()
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["prompts_repeated"] is True                      # 3 prompts for 2 x 5 requests + warm-up
+
+
+def test_bench_serving_stops_at_a_server_that_fails_every_warm_up_request(live, tmp_path, capsys):
+    """A server that refuses every request (here max_tokens over its context), or a URL that is not an OpenAI API:
+    one line naming the server, before any level runs and nothing written (it used to sweep every level to zeros)."""
+    from sglang_eagle3.bench.serving import main
+    data = tmp_path / "data" / "eval"
+    data.mkdir(parents=True)
+    (data / "tiny.jsonl").write_text("\n".join(json.dumps({"turns": [p]}) for p in PROMPTS) + "\n")
+    out = tmp_path / "serving.json"
+    common = ["--data", str(tmp_path / "data"), "--datasets", "tiny", "--concurrency", "1", "--requests", "2",
+              "--out", str(out)]
+    assert main(["--url", f"a={live.url}/v1", *common, "--max-tokens", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"server a ({live.url}/v1): all 4 warm-up requests failed (400:" in err and len(err.splitlines()) == 1
+    assert main(["--url", f"a={live.url}", *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--url a={live.url}: GET {live.url}/models answered 404, not an OpenAI model list" in err, err
+    assert not out.exists()
 
 
 def test_bench_serving_gives_each_level_its_own_prompts():

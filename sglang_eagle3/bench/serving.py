@@ -24,6 +24,7 @@ from typing import Optional
 
 from sglang_eagle3.bench import report
 from sglang_eagle3.bench.drafters import parse_drafters
+from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 
@@ -43,29 +44,33 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    import httpx
     t0 = time.perf_counter()
     first, last, gaps, chunks, usage, spec = None, None, [], 0, None, None
-    async with client.stream("POST", url + "/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            text = (await r.aread()).decode(errors="replace")[:300]
-            return {"ok": False, "status": r.status_code, "error": text}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            now = time.perf_counter()
-            if msg.get("usage"):
-                usage = msg["usage"]
-            if msg.get("spec_stats"):
-                spec = msg["spec_stats"]
-            ch = (msg.get("choices") or [{}])[0]
-            if (ch.get("delta") or {}).get("content"):
-                chunks += 1
-                if first is None:
-                    first = now
-                else:
-                    gaps.append(now - last)
-                last = now
+    try:
+        async with client.stream("POST", url + "/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")[:300]
+                return {"ok": False, "status": r.status_code, "error": text}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                now = time.perf_counter()
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                if msg.get("spec_stats"):
+                    spec = msg["spec_stats"]
+                ch = (msg.get("choices") or [{}])[0]
+                if (ch.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    except httpx.HTTPError as e:               # past --timeout, or the server went away: this request failed
+        return {"ok": False, "status": type(e).__name__, "error": str(e) or type(e).__name__}
     end = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens", chunks)
     # tokens after the first chunk arrive in (chunks - 1) gaps: spread them evenly over the gaps
@@ -101,9 +106,27 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99), "accept_length": accept}
 
 
-def server_model(url: str) -> str:
+def server_model(url: str, what: str) -> str:
+    """The model the server at url serves (GET url/models); what: the server as the user named it (--url NAME=URL),
+    for the one-line error when nothing, or no OpenAI server, answers there."""
     import httpx
-    return httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+    try:
+        r = httpx.get(url + "/models", timeout=30)
+    except httpx.HTTPError as e:
+        raise UserError(f"{what}: no server answers there ({type(e).__name__}: {e})") from None
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise UserError(f"{what}: GET {url}/models answered {r.status_code}, not an OpenAI model list (the URL "
+                        "should end in the API's /v1)") from None
+
+
+def check_warm_up(server: dict, level: dict) -> None:
+    """A server that failed every warm-up request would fail the sweep's too (a model it does not serve, a
+    --max-tokens over its context): one line with the first error instead of a table of zeros."""
+    if level["completed"] == 0:
+        raise UserError(f"server {server['name']} ({server['url']}): all {level['requests']} warm-up requests "
+                        f"failed ({level['errors'][0] if level['errors'] else 'no answer'})")
 
 
 # ---- our servers ---------------------------------------------------------------------------------
@@ -219,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take (default 1800)")
     p.add_argument("--out", default="results/bench_serving.json")
     return p
 
@@ -246,8 +269,11 @@ def level_prompts(prompts: list[str], sizes: list[int], warm: int) -> list[list[
 
 
 def run(argv=None) -> int:
-    from sglang_eagle3.errors import UserError
     a = build_parser().parse_args(argv)
+    check_at_least(1, flags_of(a, "requests", "max_tokens", "max_running"))
+    check_at_least(0, flags_of(a, "temperature"))
+    if not a.timeout > 0:
+        raise UserError(f"--timeout must be > 0, got {a.timeout:g}")
     try:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
@@ -256,34 +282,32 @@ def run(argv=None) -> int:
         raise UserError("--concurrency levels must be >= 1")
     if bool(a.url) == bool(a.start):
         raise UserError("give --url NAME=URL (one or more running servers) or --start builtin")
-    for item in a.url:
-        if not item.partition("=")[2]:
-            raise UserError(f"--url {item!r}: expected NAME=URL")
-    prompts = load_prompt_texts(a.data, a.datasets)
     servers, started = [], []
+    for item in a.url:                         # each one answers before any data is read
+        name, _, url = item.partition("=")
+        if not url:
+            raise UserError(f"--url {item!r}: expected NAME=URL")
+        url = url.rstrip("/")
+        servers.append({"name": name, "url": url, "model": server_model(url, f"--url {item}")})
+    prompts = load_prompt_texts(a.data, a.datasets)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     try:
         if a.start:
             common = ["--target", a.target, "--dtype", a.dtype, "--batch-size", str(a.max_running)]
             van = LocalServer([*common, "--draft", "none"], report.sibling(a.out, ".vanilla.log"))
             started.append(van)
-            spec_args = [*common] + (["--draft", a.draft] if a.draft else []) + \
-                (["--profile", a.profile] if a.profile else [])
+            draft_args = (["--draft", a.draft] if a.draft else []) + (["--profile", a.profile] if a.profile else [])
             servers = [{"name": "vanilla", "url": van.url}]
             columns = parse_drafters(a.drafters) if a.drafters else [("EAGLE-3", None, None)]
             for name, drafter, tree in columns:
                 how = ["--drafter", drafter, "--tree", tree] if drafter else []
-                srv = LocalServer([*spec_args, *how], report.sibling(a.out, f".{name}.log"))
+                # the context drafter reads no draft and no profile (serve refuses them beside --drafter suffix)
+                uses = [] if drafter == "suffix" else draft_args
+                srv = LocalServer([*common, *uses, *how], report.sibling(a.out, f".{name}.log"))
                 started.append(srv)
                 servers.append({"name": name, "url": srv.url})
-        else:
-            for item in a.url:
-                name, _, url = item.partition("=")
-                if not url:
-                    raise UserError(f"--url {item!r}: expected NAME=URL")
-                servers.append({"name": name, "url": url.rstrip("/")})
-        for s in servers:
-            s["model"] = server_model(s["url"])
+            for s in servers:
+                s["model"] = server_model(s["url"], f"the {s['name']} server started here")
         result = {"format": "sglang_eagle3.bench_serving/1", "servers": servers, "concurrency": levels,
                   "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,
                   "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
@@ -291,8 +315,8 @@ def run(argv=None) -> int:
                            f", max_tokens {a.max_tokens}, T={a.temperature:g}"}
         warm = max(4, 2 * levels[0])
         for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)
-            asyncio.run(run_level(s["url"], s["model"], prompts[::-1][:warm], levels[0], warm,
-                                  a.max_tokens, a.temperature, a.ignore_eos, a.timeout))
+            check_warm_up(s, asyncio.run(run_level(s["url"], s["model"], prompts[::-1][:warm], levels[0], warm,
+                                                   a.max_tokens, a.temperature, a.ignore_eos, a.timeout)))
         batches = level_prompts(prompts, [a.requests or max(16, 2 * c) for c in levels], warm)
         result["prompts_repeated"] = sum(len(b) for b in batches) + warm > len(prompts)
         for c, batch in zip(levels, batches):

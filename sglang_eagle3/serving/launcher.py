@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_compile_arg(g)
     g.add_argument("--max-len", type=int, default=None,
                    help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
+    g.add_argument("--max-body-mb", type=float, default=None,
+                   help="largest request body in MiB, a 413 past it (default 4, or 256 bytes a token of --max-len "
+                        "where that is more)")
     p.add_argument("--profile", default=None, help='tuned tree shapes: {"per_batch_size": {"1": {"num_steps": .., '
                                                    '"topk": .., "num_draft_tokens": ..}, ...}} (default: the '
                                                    "draft folder's spec_profile.json)")
@@ -110,6 +113,8 @@ def check_args(args) -> None:
     """Every number this command takes, before anything loads."""
     check_at_least(1, flags_of(args, "batch_size", "max_queue", "max_len", "cuda_graph_max_bs"))
     check_at_least(0, flags_of(args, "pool_tokens"))
+    if args.max_body_mb is not None and not args.max_body_mb > 0:
+        raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb:g}")
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: a port is 1..65535")
     if args.target not in (None, "testbed"):
@@ -293,7 +298,8 @@ def serve_builtin(args, extra: list[str]) -> int:
         check_max_len(target, args.max_len)
         if settings.draft and not args.skip_check:
             run_draft_check(target, settings.draft)
-        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len)
+        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len,
+                            max_body_mb=args.max_body_mb)
         how = settings.describe() + \
             (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
         print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)

@@ -1,48 +1,66 @@
 """The OpenAI API as the builtin server speaks it: request models, their checks, and the response pieces.
 
-Parameters this server cannot honour are refused with a 400 naming them when set to anything but their no-op
-value (a frequency penalty, a logit bias, tools, a JSON response format, ...): a silently ignored parameter
-would return something other than what the client asked for. `logprobs` are the target's log-probabilities of
-the emitted tokens from the raw logits (before temperature, top-k and top-p), one entry per completion token
-but the EOS token that ended it, each with up to 20 alternatives.
+OpenAI's chat and completions parameters, one by one:
+- honoured: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed,
+  stream, stream_options.include_usage, logprobs, top_logprobs, echo; extensions top_k and ignore_eos.
+- accepted and ignored, as they change nothing in the answer: user, metadata, prompt_cache_key, safety_identifier,
+  parallel_tool_calls (tools are refused), stream_options.include_obfuscation, store=false, service_tier auto or
+  default, modalities ["text"]. Fields OpenAI does not define are ignored too, as SGLang and vLLM ignore them.
+- refused with a 400 naming them unless at their no-op value (NO_OP_VALUES): penalties, logit_bias, tools,
+  functions, a JSON response_format, best_of, suffix, min_p, min_tokens, prediction, audio (and modalities with
+  it), reasoning_effort, verbosity, web_search_options, store=true, another service_tier: a silently ignored
+  parameter would return something other than what the client asked for.
+Numbers and booleans are taken as JSON types them: `true` is not 1, "3" is not 3. `logprobs` are the target's
+log-probabilities of the emitted tokens from the raw logits (before temperature, top-k and top-p), one entry per
+completion token but the EOS token that ended it, each with up to 20 alternatives.
 """
 from __future__ import annotations
 
+import json
 from itertools import accumulate
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt
 
 from sglang_eagle3.engine.scheduler import Request
 from sglang_eagle3.engine.verify import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 512          # when a request gives none (OpenAI's chat API: up to the context)
 MAX_CHOICES = 16                  # n: choices per request, each decoded as a request of its own
+Number = Annotated[float, Strict()]                    # a JSON number: an int is one, a boolean or a string is not
+TEXT_PART = '{"type": "text", "text": ...}'           # the content part this server reads
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")      # the second pads chunks against side channels: none here
 
 
 # ---- request models ---------------------------------------------------------------------------
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                               # extension (as SGLang and vLLM accept it)
-    n: int = 1
+    max_tokens: Optional[StrictInt] = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0                         # extension (as SGLang and vLLM accept it)
+    n: StrictInt = 1
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[dict] = None
-    ignore_eos: bool = False                     # extension, for benchmarks
-    logprobs: Optional[Union[bool, int]] = None  # chat: true/false; completions: how many top tokens (0-20)
-    top_logprobs: Optional[int] = None           # chat: how many top tokens (0-20)
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[dict] = None        # checked by include_usage
+    ignore_eos: StrictBool = False               # extension, for benchmarks
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None  # chat: true/false; completions: top tokens (0-20)
+    top_logprobs: Optional[StrictInt] = None     # chat: how many top tokens (0-20)
+    # accepted and ignored: nothing in the answer depends on them
+    user: Optional[str] = None
+    metadata: Optional[dict] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     # refused unless at their no-op values (see NO_OP_VALUES)
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_p: Optional[float] = None
-    min_tokens: Optional[int] = None
-    best_of: Optional[int] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    min_p: Optional[Number] = None
+    min_tokens: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = None
     logit_bias: Optional[dict] = None
     response_format: Optional[dict] = None
     tools: Optional[list] = None
@@ -50,28 +68,39 @@ class _Sampling(BaseModel):
     functions: Optional[list] = None
     function_call: Optional[Any] = None
     suffix: Optional[str] = None
+    prediction: Optional[Any] = None
+    modalities: Optional[Any] = None
+    audio: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    store: Optional[Any] = None
+    service_tier: Optional[Any] = None
 
 
+# parameter: its values that change nothing here (none: any value is refused)
 NO_OP_VALUES = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
                 "min_tokens": (0,), "best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
                 "tool_choice": ("none",), "function_call": ("none",), "suffix": ("",),
-                "response_format": ({"type": "text"},)}
+                "response_format": ({"type": "text"},), "prediction": (), "modalities": (["text"],), "audio": (),
+                "reasoning_effort": (), "verbosity": (), "web_search_options": (), "store": (False,),
+                "service_tier": ("auto", "default")}
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: Optional[Union[str, list[dict]]] = None
+    content: Any = None                          # a string or a list of content parts: checked by message_text
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[StrictInt] = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: bool = False
+    prompt: Any                                  # a string or token ids (or a batch of one): completion_prompt
+    echo: StrictBool = False
 
 
 class APIError(Exception):
@@ -91,8 +120,36 @@ def check_supported(body: _Sampling) -> None:
     for name, no_op in NO_OP_VALUES.items():
         value = getattr(body, name)
         if value is not None and value not in no_op:
-            raise APIError(400, f"{name}={value!r} is not supported by this server (only {no_op[0]!r}); it is "
-                                "refused rather than ignored", name)
+            only = f" (only {json.dumps(no_op[0])})" if no_op else ""
+            raise APIError(400, f"{name}={short_json(value)} is not supported by this server{only}; it is refused "
+                                "rather than ignored", name)
+
+
+def include_usage(body: _Sampling) -> bool:
+    """stream_options: only with stream=true, only the options OpenAI defines, each true or false."""
+    options = body.stream_options
+    if options is None:
+        return False
+    if not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    for key, value in options.items():
+        where = f"stream_options.{key}"
+        if key not in STREAM_OPTIONS:
+            raise APIError(400, f"{where} is not supported by this server (it takes {' and '.join(STREAM_OPTIONS)})",
+                           where)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"{where} must be true or false, got {describe(value)}", where)
+    return bool(options.get("include_usage"))
+
+
+def check_text(where: str, text: str, param: Optional[str] = None) -> None:
+    """400 for a string that is not Unicode text: JSON's escapes can spell a lone surrogate ("\\ud800"), which
+    no tokenizer takes (a character past U+FFFF is a pair of them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{where} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}: "
+                            "not Unicode text (a surrogate pair spells one character)", param or where) from None
 
 
 def requested_top_logprobs(body: _Sampling, chat: bool) -> Optional[int]:
@@ -122,11 +179,13 @@ def sampling_params(body: _Sampling, prompt_len: int, room: int, chat: bool = Tr
     """room: the tokens a request may hold beside its draft slots (a default max_tokens fits in it)."""
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", "n")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    include_usage(body)
     check_supported(body)
     top_logprobs = requested_top_logprobs(body, chat)
     given = getattr(body, "max_completion_tokens", None)
+    if given is not None and body.max_tokens not in (None, given):
+        raise APIError(400, f"max_tokens {body.max_tokens} and max_completion_tokens {given} disagree: give one "
+                            "(max_completion_tokens is the chat API's newer name)", "max_completion_tokens")
     param = "max_completion_tokens" if given is not None else "max_tokens"
     max_tokens = given if given is not None else body.max_tokens
     if max_tokens is None:
@@ -134,6 +193,8 @@ def sampling_params(body: _Sampling, prompt_len: int, room: int, chat: bool = Tr
     if max_tokens < 1:
         raise APIError(400, f"{param} must be >= 1, got {max_tokens}", param)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for i, s in enumerate(stop):
+        check_text("stop" if isinstance(body.stop, str) else f"stop[{i}]", s)
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, stop=stop, ignore_eos=body.ignore_eos, seed=body.seed,
@@ -169,9 +230,14 @@ def message_text(i: int, m: ChatMessage) -> str:
     if content is None:
         raise APIError(400, f"{where} is {'null' if 'content' in m.model_fields_set else 'missing'}: every message "
                             "needs its text", where)
+    if not isinstance(content, (str, list)):
+        raise APIError(400, f"{where} must be a string or a list of content parts, got {describe(content)}", where)
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise APIError(400, f"{where}[{j}]: a content part is an object ({TEXT_PART}), got {describe(part)}",
+                               f"{where}[{j}]")
             if part.get("type") != "text":
                 raise APIError(400, f"{where}[{j}]: only text parts are supported, got type {part.get('type')!r}",
                                f"{where}[{j}].type")
@@ -179,16 +245,54 @@ def message_text(i: int, m: ChatMessage) -> str:
                 text = part.get("text")
                 got = "missing" if "text" not in part else "null" if text is None else f"{json_type(text)} {text!r}"
                 raise APIError(400, f"{where}[{j}].text must be a string, got {got}", f"{where}[{j}].text")
+            check_text(f"{where}[{j}].text", part["text"])
             texts.append(part["text"])
         content = "".join(texts)
+    else:
+        check_text(where, content)
     if m.role == "user" and not content.strip():
         raise APIError(400, f"{where} has no text: a user message needs some", where)
     return content
 
 
+def completion_prompt(prompt: Any) -> Union[str, list[int]]:
+    """The prompt of /v1/completions: a non-empty string or list of token ids, or a batch of one of either. The ids'
+    range is the server's to check (it knows the vocabulary)."""
+    where = "prompt"
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt, where = prompt[0], "prompt[0]"                      # a batch of one prompt: that prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, f"{where} must be a non-empty string", "prompt")
+        check_text(where, prompt, "prompt")
+        return prompt
+    if not isinstance(prompt, list):
+        raise APIError(400, f"{where} must be a string or a list of token ids, got {describe(prompt)}", "prompt")
+    if not prompt:
+        raise APIError(400, f"{where} is an empty list: a prompt needs a token", "prompt")
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
+    bad = next((i for i, t in enumerate(prompt) if not isinstance(t, int) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise APIError(400, f"{where}[{bad}] = {short_json(prompt[bad])}: a token id is an integer", "prompt")
+    return prompt
+
+
 def json_type(value: Any) -> str:
     return {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array",
             dict: "object"}.get(type(value), type(value).__name__)
+
+
+def short_json(value: Any, limit: int = 60) -> str:
+    """A value as JSON, cut at `limit` characters (escaped: safe to echo whatever the client sent)."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe(value: Any) -> str:
+    """A client's value for an error message: its JSON type, and the value itself when it is a scalar."""
+    kind = json_type(value)
+    return kind if isinstance(value, (list, dict)) else f"{kind} {short_json(value)}"
 
 
 # ---- response pieces ----------------------------------------------------------------------------

@@ -4,9 +4,13 @@ Thin by design: the HTTP layer lives here (request models, their checks and the 
 openai_protocol.py); one scheduler thread
 (scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
 deltas back through an asyncio queue. Endpoints: POST /v1/chat/completions, POST /v1/completions
-(both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /health,
-GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`, and the
-target's log-probs of its tokens when asked (`logprobs`).
+(both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /v1/models/{model},
+GET /health, GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`, and
+the target's log-probs of its tokens when asked (`logprobs`).
+
+A request body over the limit (`--max-body-mb`) is a 413 before it is read; prompts are tokenized on one worker
+thread, never on the event loop. A client that hangs up has its requests cancelled (streaming or not), and
+stopping the server gives the requests still generating a grace period, then answers them 503.
 """
 from __future__ import annotations
 
@@ -14,15 +18,20 @@ import asyncio
 import json
 import logging
 import os
+import re
+import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_eagle3.engine.engine import encode_prompt, is_token_ids
@@ -36,7 +45,10 @@ from sglang_eagle3.serving.openai_protocol import (
     chat_prompt,
     choice_params,
     completion_logprobs,
+    completion_prompt,
+    describe,
     finish_reason,
+    include_usage,
     reported_logprobs,
     sampling_params,
     spec_stats,
@@ -44,6 +56,11 @@ from sglang_eagle3.serving.openai_protocol import (
 )
 
 RETRY_AFTER_S = 1
+SHUTDOWN_GRACE_S = 5.0            # stopping the server: how long requests still generating may go on
+MIN_BODY_BYTES = 4 * 2 ** 20      # the default body limit: this, or BODY_BYTES_PER_TOKEN a token of max_len if more
+BODY_BYTES_PER_TOKEN = 256        # more than any token takes as JSON-escaped text or as an id
+HUNG_UP, SHUTTING_DOWN = "hung up", "shutting down"    # queue items that end a response before its requests finish
+NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -53,6 +70,7 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests = {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0}
+        self.responses: dict[int, int] = {}                # HTTP status code: responses sent with it
         self.prompt_tokens = self.generated_tokens = self.verify_steps = 0
         self.ttft_sum, self.ttft_count = 0.0, 0
         self.recent: list[tuple[float, int]] = []         # (time, tokens) of finished requests, last 60 s
@@ -79,6 +97,10 @@ class Metrics:
         with self.lock:
             self.requests["error"] += 1
 
+    def responded(self, status: int) -> None:
+        with self.lock:
+            self.responses[status] = self.responses.get(status, 0) + 1
+
     def text(self, load: dict) -> str:
         with self.lock:
             now = time.time()
@@ -86,6 +108,9 @@ class Metrics:
             lines = [
                 "# HELP eagle3_requests_total Requests by outcome.", "# TYPE eagle3_requests_total counter",
                 *[f'eagle3_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()],
+                "# HELP eagle3_http_responses_total HTTP responses by status code (every 5xx among them).",
+                "# TYPE eagle3_http_responses_total counter",
+                *[f'eagle3_http_responses_total{{code="{k}"}} {v}' for k, v in sorted(self.responses.items())],
                 "# TYPE eagle3_prompt_tokens_total counter", f"eagle3_prompt_tokens_total {self.prompt_tokens}",
                 "# TYPE eagle3_generated_tokens_total counter",
                 f"eagle3_generated_tokens_total {self.generated_tokens}",
@@ -112,15 +137,22 @@ class Metrics:
 class ServerState:
     """The scheduler, its thread, and what the HTTP layer needs to know about the model."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, info: Optional[dict] = None):
+    def __init__(self, scheduler: Scheduler, model_name: str, info: Optional[dict] = None,
+                 max_body_bytes: Optional[int] = None):
         self.scheduler, self.model_name, self.info = scheduler, model_name, info or {}
         self.tokenizer = scheduler.tokenizer
         self.vocab_size = scheduler.target.vocab_size           # rows of the embedding: the valid token ids
+        self.max_body_bytes = default_body_limit(scheduler.max_len) if max_body_bytes is None else max_body_bytes
         self.metrics = Metrics()
         self.created = int(time.time())
         self.thread: Optional[threading.Thread] = None
+        self.tokenizing: Optional[ThreadPoolExecutor] = None      # started with the scheduler
+        self.responses: dict[asyncio.Queue, list[Request]] = {}    # responses still generating: their queue, requests
+        self.closing = False                                      # stopping: new requests are answered 503
 
     def start(self) -> None:
+        if self.tokenizing is None:     # one thread: long prompts tokenize beside the event loop, not beside the engine
+            self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="eagle3-tokenize")
         if self.thread is None:
             self.thread = threading.Thread(target=self.scheduler.serve_forever, name="eagle3-scheduler", daemon=True)
             self.thread.start()
@@ -130,6 +162,28 @@ class ServerState:
         if self.thread is not None:
             self.thread.join(timeout=30)
             self.thread = None
+        if self.tokenizing is not None:
+            self.tokenizing.shutdown(wait=False, cancel_futures=True)
+            self.tokenizing = None
+
+    def stop_responses(self) -> None:
+        """Shutdown's grace period is over: every response still generating is cancelled and told so (on the event
+        loop, which its handler then wakes on; the scheduler frees the rows at its next step)."""
+        self.closing = True
+        for queue, reqs in self.responses.items():
+            for req in reqs:
+                self.scheduler.cancel(req)
+            queue.put_nowait(SHUTTING_DOWN)
+
+
+def default_body_limit(max_len: int) -> int:
+    """The request body limit unless --max-body-mb sets one: room for any prompt that fits max_len tokens."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_len)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or once it is back", None,
+                    "server_shutting_down", "server_error")
 
 
 class Handler:
@@ -180,13 +234,30 @@ class Handler:
                            "prompt")
 
     def tokenize(self, prompt) -> list[int]:
+        """On the tokenizer thread (see tokenized)."""
         try:
             ids = encode_prompt(self.state.tokenizer, prompt)
         except Exception as e:      # a chat template that rejects the roles, say
-            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+            what, param = ("cannot apply the chat template", "messages") if isinstance(prompt, list) else \
+                ("cannot tokenize the prompt", "prompt")
+            raise APIError(400, f"{what}: {e}", param) from None
         if not ids:
             raise APIError(400, "empty prompt (no tokens after tokenization)", "prompt")
         return ids
+
+    async def tokenized(self, prompt) -> list[int]:
+        """The prompt's ids, tokenized off the event loop: a long prompt holds up nothing else (/health included)."""
+        if is_token_ids(prompt):
+            return list(prompt)                                 # token ids, already checked
+        return await asyncio.get_running_loop().run_in_executor(self.state.tokenizing, self.tokenize, prompt)
+
+
+async def hung_up(http: HTTPRequest, queue: asyncio.Queue) -> None:
+    """Put HUNG_UP on the queue when the client disconnects (the body has been read: what the connection says next
+    is that it closed)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(HUNG_UP)
 
 
 def create_app(state: ServerState):
@@ -199,6 +270,7 @@ def create_app(state: ServerState):
         state.stop()
 
     app = FastAPI(title="sglang-eagle3", lifespan=lifespan)
+    app.router.route_class = BodyRoute
     handler = Handler(state)
 
     @app.exception_handler(APIError)
@@ -211,18 +283,27 @@ def create_app(state: ServerState):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(http: HTTPRequest, e: StarletteHTTPException):
-        return openai_error(route_error(http, e))
+        return openai_error(route_error(http, e, state.max_body_bytes))
 
-    app.add_middleware(ServerErrors, metrics=state.metrics)
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    app.add_middleware(ServerErrors, metrics=state.metrics)          # outside BodyLimit: its 413s are counted
 
     @app.get("/health")
     async def health():
         return {"status": "ok", **state.scheduler.load()}
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglang-eagle3",
+                **state.info}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "sglang-eagle3", **state.info}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        handler.check_model(name)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -231,7 +312,9 @@ def create_app(state: ServerState):
 
     async def run(http: HTTPRequest, body, prompt, chat: bool):
         handler.check_model(body.model)
-        prompt_ids = handler.tokenize(prompt)
+        if state.closing:
+            raise shutting_down()
+        prompt_ids = await handler.tokenized(prompt)
         params = sampling_params(body, len(prompt_ids), state.scheduler.limit - state.scheduler.tree_slots, chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
@@ -240,17 +323,12 @@ def create_app(state: ServerState):
         echo = ""                                                   # completions: the prompt before the answer
         if not chat and body.echo:
             echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
+        state.responses[queue] = reqs
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(reqs, queue, rid, chat, include_usage, echo),
+            return StreamingResponse(stream(reqs, queue, rid, chat, include_usage(body), echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            while not all(r.done.is_set() for r in reqs):
-                await queue.get()
-        except asyncio.CancelledError:                   # the client went away
-            for r in reqs:
-                state.scheduler.cancel(r)
-            raise
+        if not await finished(http, reqs, queue):
+            return Response(status_code=499)                 # nobody reads it: the client has gone
         failed = next((r for r in reqs if r.finish_reason == "error"), None)
         if failed:
             raise APIError(500, f"generation failed: {failed.error}", None, None, "server_error")
@@ -267,6 +345,29 @@ def create_app(state: ServerState):
             choices.append(choice)
         return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
                 "choices": choices, "usage": usage(reqs), "spec_stats": spec_stats(reqs)}
+
+    async def finished(http: HTTPRequest, reqs: list[Request], queue: asyncio.Queue) -> bool:
+        """Wait for a non-streamed response's requests: True once all have finished, False if the client hung up
+        first (they are cancelled, their rows freed); shutdown stops them with a 503."""
+        watch = asyncio.ensure_future(hung_up(http, queue))
+        try:
+            while not all(r.done.is_set() for r in reqs):
+                item = await queue.get()
+                if item == SHUTTING_DOWN:
+                    raise shutting_down()
+                if item == HUNG_UP:
+                    return False
+            return True
+        finally:
+            watch.cancel()
+            ended(reqs, queue)
+
+    def ended(reqs: list[Request], queue: asyncio.Queue) -> None:
+        """A response is over, however: requests still running are cancelled (a client gone, a failed choice)."""
+        state.responses.pop(queue, None)
+        for req in reqs:
+            if not req.done.is_set():
+                state.scheduler.cancel(req)
 
     async def stream(reqs: list[Request], queue, rid, chat, include_usage, echo=""):
         created = int(time.time())
@@ -305,11 +406,15 @@ def create_app(state: ServerState):
                     yield chunk(i, role=True) if chat else chunk(i, echo)
             open_choices = set(range(len(reqs)))
             while open_choices:
-                i, delta, finished, reported = await queue.get()
+                item = await queue.get()
+                if item == SHUTTING_DOWN:
+                    yield f"data: {json.dumps(shutting_down().body())}\n\n"
+                    break
+                i, delta, done, reported = item
                 req = reqs[i]
                 if delta:
                     yield chunk(i, delta, logprobs=logprobs_upto(i, reported))
-                if not (finished and req.done.is_set() and i in open_choices):
+                if not (done and req.done.is_set() and i in open_choices):
                     continue
                 open_choices.discard(i)
                 if req.finish_reason == "error":
@@ -326,9 +431,7 @@ def create_app(state: ServerState):
                     yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for req in reqs:
-                if not req.done.is_set():                # client disconnected mid-stream (or a choice failed)
-                    state.scheduler.cancel(req)
+            ended(reqs, queue)                           # client disconnected mid-stream, a choice failed, shutdown
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatRequest):
@@ -336,23 +439,86 @@ def create_app(state: ServerState):
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionRequest):
-        prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
-            prompt = prompt[0]                          # a batch of one prompt: that prompt
+        prompt = completion_prompt(body.prompt)
         if is_token_ids(prompt):
             handler.check_token_ids(prompt)             # token ids go to the model as they are, not re-tokenized
-        elif isinstance(prompt, list):
-            raise APIError(400, "prompt: one string (or one list of token ids) per request", "prompt")
-        elif not prompt:
-            raise APIError(400, "prompt must be a non-empty string", "prompt")
         return await run(http, body, prompt, chat=False)
 
     return app
 
 
+# ---- request bodies --------------------------------------------------------------------------------------------
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 before any of it is parsed: at once when its
+    Content-Length says so, else as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await openai_error(body_too_large(int(declared), self.limit))(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:               # FastAPI passes an HTTPException on to the handlers: route_error
+                raise StarletteHTTPException(413)
+            return message
+        await self.app(scope, counted, send)
+
+
+def body_too_large(size: Optional[int], limit: int) -> APIError:
+    return APIError(413, f"request body{f' of {size} bytes' if size else ''} exceeds this server's limit of {limit} "
+                         f"bytes ({limit / 2 ** 20:.4g} MiB; eagle3 serve --max-body-mb)", None, "request_too_large")
+
+
+class BodyTooDeep(StarletteHTTPException):
+    """A JSON body nested past what the reader takes (FastAPI would call it a body it could not parse)."""
+
+
+class JSONBody(HTTPRequest):
+    """A request whose JSON body names its nesting when it is too deep to read."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = json.loads(body)
+            except RecursionError:
+                depth, most = nesting_depth(body), sys.getrecursionlimit()
+                raise BodyTooDeep(400, f"the request body nests {depth} levels deep; the JSON reader goes fewer than "
+                                       f"{most} levels deep (Python's recursion limit; a request needs a handful)") \
+                    from None
+        return self._json
+
+
+class BodyRoute(APIRoute):
+    """The routes read their body as a JSONBody."""
+
+    def get_route_handler(self):
+        handle = super().get_route_handler()
+
+        async def route(request: HTTPRequest):
+            return await handle(JSONBody(request.scope, request.receive, request._send))
+        return route
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep a JSON text's arrays and objects nest (brackets inside strings left out)."""
+    brackets = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", body).translate(None, NOT_BRACKETS)
+    return max(accumulate(1 if b in b"[{" else -1 for b in brackets), default=0)
+
+
 # ---- errors in OpenAI's shape --------------------------------------------------------------------------------
-def openai_error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def openai_error(e: APIError) -> Response:
+    """json.dumps escapes what it cannot encode: a message that quotes the client's text never fails to render."""
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 def field_path(loc) -> str:
@@ -381,15 +547,21 @@ def request_error(http: HTTPRequest, errors: list) -> APIError:
         return APIError(400, f"request body is not valid JSON (UTF-8): {first.get('ctx', {}).get('error', '')}")
     if not path:
         return APIError(400, f"request body must be a JSON object ({first.get('msg', 'invalid value')})")
-    return APIError(400, f"{path}: {first.get('msg', 'invalid value')}", path)
+    got = f", got {describe(first['input'])}" if "input" in first and first.get("type") != "missing" else ""
+    return APIError(400, f"{path}: {first.get('msg', 'invalid value')}{got}", path)
 
 
-def route_error(http: HTTPRequest, e) -> APIError:
-    """Starlette's 404 / 405 (and any other HTTP error) in OpenAI's shape, saying what is served."""
+def route_error(http: HTTPRequest, e, max_body_bytes: int) -> APIError:
+    """Starlette's 404 / 405 / 413 (and any other HTTP error) in OpenAI's shape, saying what is served."""
     where = f"{http.method} {http.url.path}"
+    if e.status_code == 413:                     # BodyLimit: a body read past the limit
+        return body_too_large(None, max_body_bytes)
+    if isinstance(e, BodyTooDeep):
+        return APIError(400, e.detail)
     if e.status_code == 404:
         return APIError(404, f"no such route: {where} (this server answers POST /v1/chat/completions, POST "
-                             "/v1/completions, GET /v1/models, GET /health, GET /metrics)", None, "unknown_url")
+                             "/v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics)",
+                        None, "unknown_url")
     if e.status_code == 405:
         allowed = (e.headers or {}).get("allow", (e.headers or {}).get("Allow", ""))
         return APIError(405, f"{where}: method not allowed" + (f"; use {allowed}" if allowed else ""), None,
@@ -414,7 +586,9 @@ class ServerErrors:
 
         async def send_tracking(message):
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.responded(message["status"])
             await send(message)
         try:
             await self.app(scope, receive, send_tracking)
@@ -427,15 +601,16 @@ class ServerErrors:
             body = json.dumps(APIError(500, f"internal server error ({type(e).__name__}: {e})", None, None,
                                        "server_error").body()).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send_tracking({"type": "http.response.start", "status": 500, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
 
 # ---- building and running ---------------------------------------------------------------------------
 def build_state(target: str, settings, max_running: int, max_queue: int, max_len: Optional[int] = None,
-                model_name: Optional[str] = None) -> ServerState:
+                model_name: Optional[str] = None, max_body_mb: Optional[float] = None) -> ServerState:
     """The engine resolve_settings decided on, behind one scheduler: max_len KV slots per request (default and
-    cap: the target's context, at most 4096 by default)."""
+    cap: the target's context, at most 4096 by default); request bodies up to max_body_mb (default:
+    default_body_limit)."""
     from sglang_eagle3.engine.engine import eos_ids_of
     from sglang_eagle3.engine.loader import engine_from_settings
     engine = engine_from_settings(target, settings)
@@ -448,22 +623,39 @@ def build_state(target: str, settings, max_running: int, max_queue: int, max_len
     info = {"draft": os.path.abspath(settings.draft) if settings.draft else None, "dtype": settings.dtype,
             "max_running_requests": max_running, "context_length": max_len, "target_context_length": tctx,
             "kv_pool_mb": round(sched.worker.nbytes() / 2 ** 20, 1)}
-    return ServerState(sched, name, info)
+    return ServerState(sched, name, info, None if max_body_mb is None else max(1, round(max_body_mb * 2 ** 20)))
+
+
+def make_server(state: ServerState, host: str, port: int, log_level: str = "warning",
+                grace_s: float = SHUTDOWN_GRACE_S):
+    """uvicorn's server for the app. Stopping it (SIGTERM, Ctrl-C) gives the requests still generating grace_s to
+    finish, then stops them with a 503 (past its own deadline uvicorn would cancel their handlers and log a traceback
+    for each)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.closing = True
+            stop = asyncio.get_running_loop().call_later(grace_s, state.stop_responses)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                stop.cancel()
+    return Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                                 timeout_graceful_shutdown=grace_s + 10))
 
 
 def run_server(state: ServerState, host: str, port: int, log_level: str = "warning", sock=None) -> int:
     """Serve until interrupted. sock: a socket already bound to host:port (launcher.bind_port), which uvicorn
     listens on, so that the banner below is printed only for an address that is ours."""
-    import uvicorn
-    app = create_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = make_server(state, host, port, log_level)
     if sock is None:
-        sock = config.bind_socket()
+        sock = server.config.bind_socket()
     print(f"eagle3 serve: {state.model_name} on http://{host}:{port}/v1 (draft: {state.info.get('draft') or 'none'}, "
           f"{state.info['dtype']}, up to {state.info['max_running_requests']} running requests, "
           f"KV pool {state.info['kv_pool_mb']} MB)\n"
           f"  curl -s http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 64}}'", flush=True)
-    uvicorn.Server(config).run(sockets=[sock])
+    server.run(sockets=[sock])
     return 0
