@@ -1,11 +1,14 @@
-"""Small file helpers shared by the long jobs: atomic JSON writes and file checksums."""
+"""Small file helpers shared by the long jobs: atomic JSON writes, file checksums, outputs kept apart from inputs,
+and --force / --overwrite replacing only the files a command writes."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
+from typing import Callable
 
 
 def atomic_write(path: str, write) -> str:
@@ -58,6 +61,66 @@ def usual_permissions(path: str) -> None:
     """Give a file (0666) or folder (0777) what the umask allows, as a plain open/mkdir would: mkstemp, mkdtemp
     and safetensors' save_file create 0600/0700 ones, which a process running as another user cannot read."""
     os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~current_umask())
+
+
+def _flag_paths(paths: dict):
+    """(flag, path) pairs of {flag: path, list of paths, or None}."""
+    for flag, value in paths.items():
+        for path in ([value] if isinstance(value, (str, os.PathLike)) else value or ()):
+            yield flag, str(path)
+
+
+def _overlap(out: str, inp: str) -> str | None:
+    """How the resolved path `out` lies relative to the resolved path `inp`, or None when apart."""
+    if out == inp:
+        return "is the same path as"
+    common = os.path.commonpath([out, inp])
+    return "contains" if common == out else "is inside" if common == inp else None
+
+
+def check_apart(outputs: dict, inputs: dict, error: type | None = None) -> None:
+    """No output of a command is, contains or sits inside one of its inputs (paths resolved through symlinks):
+    replacing the output (--force, --overwrite) would delete the input, and writing it would change the input under
+    the command. outputs, inputs: {flag: path, list of paths, or None}; inputs not on disk (hub ids) are skipped.
+    Every command with an --out checks this first, before it reads anything. error: the UserError subclass raised."""
+    from sglang_eagle3.errors import UserError
+    for in_flag, inp in _flag_paths(inputs):
+        if not os.path.exists(inp):
+            continue
+        for out_flag, out in _flag_paths(outputs):
+            relation = _overlap(os.path.realpath(out), os.path.realpath(inp))
+            if relation:
+                raise (error or UserError)(f"{out_flag} {out} {relation} {in_flag} {inp}: an output must not be, "
+                                           f"contain or sit inside an input of the same command; choose another "
+                                           f"{out_flag}")
+
+
+def move_in(staging: str, out: str, owned: Callable[[str], bool]) -> list[str]:
+    """Move a finished staging folder's files into the existing folder `out`, replacing only what the command writes:
+    the staged names and out's files that `owned(name)` claims (stale files of the same kind). Every other file of
+    `out` stays; their names are returned. The replaced files are moved aside first and removed only once every new
+    file is in place; a failure puts them back (and the new files back into staging)."""
+    new = sorted(os.listdir(staging))
+    replaced = [n for n in sorted(os.listdir(out)) if n in new or owned(n)]
+    aside = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.old-",
+                             dir=os.path.dirname(os.path.abspath(out)))
+    moved, placed = [], []
+    try:
+        for name in replaced:
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+            moved.append(name)
+        for name in new:
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            os.replace(os.path.join(out, name), os.path.join(staging, name))
+        for name in moved:
+            os.replace(os.path.join(aside, name), os.path.join(out, name))
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside)
+    return sorted(set(os.listdir(out)) - set(new))
 
 
 def file_sha256(path: str) -> str:

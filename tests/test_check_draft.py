@@ -443,6 +443,52 @@ def test_cli_json(draft, target, capsys):
     assert any(f["status"] == ERROR and f["check"] == "d2t" for f in report["findings"])
 
 
+def write_gguf(path, arch, hidden=H, layers=(2, 5, 8)):
+    """A small GGUF file as llama.cpp's converter writes one (the metadata check-draft reads, two tensors)."""
+    import numpy as np
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), arch)
+    if arch == "eagle3":
+        w.add_array("eagle3.target_layers", list(layers))
+        w.add_uint32("eagle3.target_hidden_size", hidden)
+        w.add_tensor("d2t", np.arange(VD, dtype=np.int64))
+    w.add_tensor("fc.weight", np.zeros((4, 12), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_gguf_export_is_recognised_and_what_is_not_checked_is_said(draft, target, tmp_path, capsys):
+    """check-draft on an `export --format gguf` folder or its draft.gguf reads the GGUF metadata (it used to say "no
+    config.json" / "no such folder") and names the safetensors folder for the tensor-level checks."""
+    from sglang_eagle3.cli import main
+    out = tmp_path / "gguf"
+    out.mkdir()
+    draft_file = write_gguf(out / "draft.gguf", "eagle3")
+    write_gguf(out / "target.gguf", "llama")
+    (out / "gguf_export.json").write_text(json.dumps({"draft": draft}))
+    for argv in (["--draft", str(out)], ["--draft", draft_file, "--target", target]):
+        assert main(["check-draft", *argv, "--json"]) == 0, argv
+        findings = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+        assert findings["format"]["detail"] == f"GGUF file {draft_file}: architecture eagle3, 2 tensors"
+        assert "target_layers [2, 5, 8] (layer inputs; SGLang's ids [1, 4, 7]), target_hidden_size 64, draft " \
+               f"vocabulary {VD}" in findings["eagle3 metadata"]["detail"]
+        assert findings["not checked"]["status"] == WARN
+        assert f"checked on the safetensors draft folder the GGUF was exported from: `eagle3 check-draft --draft " \
+               f"{draft}`" in findings["not checked"]["detail"]
+    assert findings["target"]["status"] == OK
+    assert main(["check-draft", "--draft", write_gguf(tmp_path / "wide.gguf", "eagle3", hidden=H * 2), "--target",
+                 target]) == 1
+    assert f"eagle3.target_hidden_size={2 * H} but the target's hidden_size is {H}" in capsys.readouterr().out
+    assert main(["check-draft", "--draft", str(out / "target.gguf")]) == 1
+    assert "GGUF architecture 'llama', not llama.cpp's eagle3 draft" in capsys.readouterr().out
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["check-draft", "--draft", str(tmp_path / "notes.txt")]) == 2
+    assert "is a file; expected a draft folder or a GGUF draft file" in capsys.readouterr().err
+
+
 def test_registered_in_eagle3_cli(draft, target):
     from sglang_eagle3.cli import main
     assert main(["check-draft", "--draft", draft, "--target", target]) == 0

@@ -225,6 +225,26 @@ def test_init_draft_refuses_a_non_empty_folder(folders, tmp_path, capsys):
     assert "is not empty and holds no draft" in capsys.readouterr().err
 
 
+def test_init_draft_never_writes_over_its_target_or_another_model(tmp_path, capsys):
+    """--force replaces a draft's config.json and weights: never the --target's own (--out = --target), nor those of
+    a folder holding another model; a folder holding one in a subfolder gets the draft beside it, as export does."""
+    target = save_tiny_model_folder(tmp_path / "t")
+    other = save_tiny_model_folder(tmp_path / "m")
+    weights = {p: (tmp_path / p / "model.safetensors").read_bytes() for p in ("t", "m")}
+    capsys.readouterr()
+    for out, said in ((target, f"--out {target} is the same path as --target {target}"),
+                      (str(tmp_path), f"--out {tmp_path} contains --target {target}"),
+                      (other, f"--out {other} holds a target model (")):
+        assert main(["init-draft", "--target", target, "--out", out, "--force"]) == 2, out
+        assert said in last_line(capsys)
+    assert {p: (tmp_path / p / "model.safetensors").read_bytes() for p in ("t", "m")} == weights
+    box = tmp_path / "box"
+    save_tiny_model_folder(box / "inner")
+    assert main(["init-draft", "--target", target, "--out", str(box), "--force", "--dtype", "float32"]) == 0
+    assert sorted(os.listdir(box)) == ["config.json", "inner", "model.safetensors"]
+    assert "kept inner" in capsys.readouterr().err
+
+
 def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path, capsys):
     from conftest import save_tiny_model_folder
     target = save_tiny_model_folder(tmp_path / "t")

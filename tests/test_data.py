@@ -481,6 +481,65 @@ def test_cli_prepare_data_and_errors(tmp_path, capsys):
     assert f"--out {out} exists; pass --overwrite" in capsys.readouterr().err
 
 
+def test_prepare_data_never_replaces_its_own_input(tmp_path, capsys):
+    """--out that contains an input (here regenerate's output and its settings file) is refused before anything is
+    read: --overwrite used to delete the folder, the input with it."""
+    from sglang_eagle3.cli import main
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer("llama3").save_pretrained(tok_dir)
+    box = tmp_path / "D"
+    box.mkdir()
+    p = write_jsonl(box / "regen.jsonl", [{"question": "What is 2 + 2?", "answer": "4."}] * 3)
+    (box / "regen.jsonl.settings.json").write_text("{}")
+    assert main(["prepare-data", f"{p}:gsm8k", "--target", str(tok_dir), "--out", str(box), "--quiet",
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {box} contains input {p}: an output must not be" in err, err
+    assert sorted(os.listdir(box)) == ["regen.jsonl", "regen.jsonl.settings.json"]
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", p, "--overwrite", "--quiet"]) == 2
+    assert f"--out {p} is the same path as input {p}" in capsys.readouterr().err
+
+
+def test_prepare_data_overwrite_replaces_the_data_set_only(tmp_path, capsys):
+    """--overwrite replaces the data set's files (data.arrow, stats.json, the vocabulary built from them) and keeps
+    a user's files, naming them; an --out that is a file is refused, not replaced by a folder."""
+    from sglang_eagle3.cli import main
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer("llama3").save_pretrained(tok_dir)
+    p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?", "answer": "The answer is 4."}] * 5)
+    out = tmp_path / "ds"
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet",
+                 "--draft-vocab-size", "16"]) == 0
+    (out / "NOTES.txt").write_text("my notes")
+    capsys.readouterr()
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet", "--max-rows", "2",
+                 "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["NOTES.txt", "data.arrow", "stats.json"]      # the old vocabulary went too
+    assert len(load_tokenized(str(out))) == 2 and (out / "NOTES.txt").read_text() == "my notes"
+    assert f"replaced the data set in {out}; kept NOTES.txt" in capsys.readouterr().err
+    (tmp_path / "f.jsonl").write_text("precious")
+    assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "f.jsonl"), "--quiet",
+                 "--overwrite"]) == 2
+    assert f"--out {tmp_path / 'f.jsonl'} is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "f.jsonl").read_text() == "precious"
+
+
+def test_prepared_files_get_the_usual_permissions(tmp_path):
+    """The vocabulary file follows the umask like every other file (safetensors' save_file made it 0600)."""
+    from sglang_eagle3.cli import main
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer("llama3").save_pretrained(tok_dir)
+    p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?", "answer": "The answer is 4."}] * 5)
+    old = os.umask(0o022)
+    try:
+        assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "ds"), "--quiet",
+                     "--draft-vocab-size", "16"]) == 0
+    finally:
+        os.umask(old)
+    modes = {f: os.stat(tmp_path / "ds" / f).st_mode & 0o777 for f in os.listdir(tmp_path / "ds")}
+    assert modes == {f: 0o644 for f in ("data.arrow", "stats.json", "draft_vocab.safetensors", "draft_vocab.json")}
+
+
 # ---- the shared real training files ---------------------------------------------------------------
 REAL = {"sharegpt_1k.jsonl": 1000, "alpaca_en_demo.json": 999, "glaive_toolcall_en_demo.json": 300,
         "gsm8k_train.jsonl": 7473, "sharegpt_prompts.jsonl": 3808}

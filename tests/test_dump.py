@@ -228,7 +228,7 @@ def test_reuse_with_other_settings_or_itself_is_refused(tiny, tmp_path):
     with pytest.raises(DumpError, match=r"--reuse .*bf16: made with other settings \(dtype"):
         dump_hidden_states(target, rows, str(tmp_path / "fp32"), rows_per_shard=2, dtype=torch.float32,
                            reuse=[str(tmp_path / "bf16")], **quiet)
-    with pytest.raises(DumpError, match="is the --out directory itself"):
+    with pytest.raises(DumpError, match="--out .*bf16 is the same path as --reuse .*bf16"):
         dump_hidden_states(target, rows, str(tmp_path / "bf16"), rows_per_shard=2, dtype=torch.bfloat16,
                            reuse=[str(tmp_path / "bf16")], overwrite=True, **quiet)
     assert os.path.isfile(tmp_path / "bf16" / hd.MANIFEST)             # nothing was deleted
@@ -280,3 +280,44 @@ def test_cli_checks_its_flags_before_the_target_loads(tiny, tmp_path, capsys, mo
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, (extra, err)
     assert not out.exists()
+
+
+def test_dump_never_replaces_its_own_input(tiny, tmp_path, capsys, monkeypatch):
+    """--out that contains the --data being dumped is refused before the target loads: --overwrite used to delete
+    the folder, the data set and a user's notes with it."""
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.models.target import TargetModel
+    from sglang_eagle3.training.data.build import write_examples
+    path, _ = tiny
+    box = tmp_path / "D"
+    (box / "data").mkdir(parents=True)
+    write_examples(str(box / "data" / "data.arrow"), ({"input_ids": ids.tolist(), "loss_mask": m.tolist(),
+                                                       "id": str(i), "source": "x"}
+                                                      for i, (ids, m) in enumerate(make_rows(3))))
+    (box / "NOTES.txt").write_text("notes")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded first"))
+    assert main(["dump-hidden-states", "--target", path, "--data", str(box / "data"), "--out", str(box),
+                 "--overwrite", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {box} contains --data {box / 'data'}: an output must not" in err, err
+    assert sorted(os.listdir(box)) == ["NOTES.txt", "data"] and os.listdir(box / "data") == ["data.arrow"]
+
+
+def test_overwrite_removes_the_dump_only(tiny, tmp_path, capsys):
+    """--overwrite deletes the dump's own files (config, manifest, shards), keeps a user's files and names them;
+    shards get the usual permissions (safetensors' save_file made them 0600)."""
+    _, target = tiny
+    out = tmp_path / "d"
+    quiet = dict(rows_per_shard=2, dtype=torch.float32, progress=False, log=lambda *_: None)
+    old = os.umask(0o022)
+    try:
+        dump_hidden_states(target, make_rows(5), str(out), **quiet)
+        (out / "NOTES.txt").write_text("notes")
+        man = dump_hidden_states(target, make_rows(3, seed=1), str(out), overwrite=True, **quiet)
+    finally:
+        os.umask(old)
+    assert man["rows"] == 3 and (out / "NOTES.txt").read_text() == "notes"
+    assert sorted(os.listdir(out)) == ["NOTES.txt", hd.CONFIG, hd.MANIFEST, *sorted(
+        f"shard_{i:05d}.{ext}" for i in range(2) for ext in ("json", "safetensors"))]
+    assert "kept NOTES.txt" in capsys.readouterr().err
+    assert {os.stat(out / f).st_mode & 0o777 for f in os.listdir(out) if f.startswith("shard_")} == {0o644}

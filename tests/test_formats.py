@@ -123,7 +123,7 @@ def test_eagle31_has_no_official_layout(tmp_path, target):
 
 
 def test_export_onto_its_own_source_is_refused(tmp_path, draft):
-    with pytest.raises(FormatError, match="is the draft being exported"):
+    with pytest.raises(FormatError, match=f"--out {draft} is the same path as --draft {draft}"):
         export_draft(draft, "sglang", draft, overwrite=True)
     assert sorted(os.listdir(draft)) == ["config.json", "model.safetensors"]
 
@@ -281,11 +281,13 @@ def test_overwrite_needs_force(tmp_path, draft, target):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    with pytest.raises(FolderError, match="already exists .pass --force to replace it."):
+    with pytest.raises(FolderError, match="already exists .pass --force to replace its config.json and weights"):
         export_draft(draft, "sglang", str(out))
     assert (out / "old.txt").exists()
-    export_draft(draft, "sglang", str(out), overwrite=True)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    (out / "pytorch_model.bin").write_text("stale weights")              # an old layout's weights go too
+    _, notes = export_draft(draft, "sglang", str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "old.txt"]
+    assert any("kept old.txt" in n for n in notes)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
@@ -386,16 +388,18 @@ def test_a_write_that_fails_at_the_swap_restores_the_old_folder(tmp_path, draft,
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("x")
+    (out / "config.json").write_text("{}")
     real = os.replace
 
-    def replace(a, b):
-        if os.path.abspath(b) == str(out) and ".tmp-" in str(a):
+    def replace(a, b):                                   # the second new file cannot be moved in
+        if os.path.dirname(os.path.abspath(b)) == str(out) and os.path.basename(b) == "model.safetensors":
             raise PermissionError(13, "Permission denied", str(b))
         return real(a, b)
     monkeypatch.setattr(os, "replace", replace)
     err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(out), "--force"])
     assert f"--out {out}: cannot write it (Permission denied" in err and "[Errno" not in err
-    assert sorted(os.listdir(tmp_path)) == ["draft", "out", "target"] and os.listdir(out) == ["mine.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["draft", "out", "target"]
+    assert sorted(os.listdir(out)) == ["config.json", "mine.txt"] and (out / "config.json").read_text() == "{}"
 
 
 def test_sglang_exports_and_imports_carry_the_tuned_profile(tmp_path, draft, target, capsys):
@@ -419,3 +423,73 @@ def test_formats_that_need_a_target_say_so_before_reading_the_draft(tmp_path, dr
         err = one_line_error(capsys, ["export", "--draft", draft, "--format", fmt, "--out", str(tmp_path / fmt)])
         assert said in err
         assert not os.path.exists(tmp_path / fmt)
+
+
+# ---- outputs apart from inputs; --force replaces only the draft's files ------------------------------------------
+def tree(d) -> dict:
+    """Every file under d with its bytes: what a refused command must leave as it was."""
+    return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
+            for r, _, names in os.walk(d) for f in names}
+
+
+def test_export_into_the_folder_holding_its_source_is_refused(tmp_path, target, capsys):
+    """An --out that contains the --draft (here beside another model) is refused before anything is read, with or
+    without --force: --force used to replace the whole folder, the source and the other model with it."""
+    box = tmp_path / "D"
+    save_draft(box / "src", target)
+    save_target(box / "other")
+    before = tree(box)
+    capsys.readouterr()
+    err = one_line_error(capsys, ["export", "--draft", str(box / "src"), "--format", "speculators", "--target",
+                                  target, "--out", str(box), "--force"])
+    assert f"--out {box} contains --draft {box / 'src'}: an output must not be, contain or sit inside" in err
+    assert tree(box) == before
+    err = one_line_error(capsys, ["export", "--draft", str(box / "src"), "--format", "sglang",
+                                  "--out", str(box / "src" / "sub")])
+    assert f"--out {box / 'src' / 'sub'} is inside --draft {box / 'src'}" in err
+    os.symlink(box, tmp_path / "link")                   # the same folder under another name
+    err = one_line_error(capsys, ["export", "--draft", str(box / "src"), "--format", "sglang",
+                                  "--out", str(tmp_path / "link"), "--force"])
+    assert f"--out {tmp_path / 'link'} contains --draft" in err
+    assert tree(box) == before
+
+
+def test_import_into_the_folder_holding_its_source_is_refused(tmp_path, target, capsys):
+    box = tmp_path / "D"
+    save_draft(box / "src", target)
+    (box / "keep.txt").write_text("mine")
+    before = tree(box)
+    capsys.readouterr()
+    err = one_line_error(capsys, ["import", "--src", str(box / "src"), "--out", str(box), "--force"])
+    assert f"--out {box} contains --src {box / 'src'}" in err
+    assert tree(box) == before
+
+
+def test_force_replaces_only_the_draft_files_as_init_draft_does(tmp_path, draft, target, capsys):
+    """export/import --force into a folder that is not a draft write the draft beside its files (another model in a
+    subfolder, notes) instead of replacing the folder; a folder holding a target model itself is refused."""
+    out = tmp_path / "X"
+    save_target(out / "other")
+    (out / "NOTES.txt").write_text("notes")
+    other = tree(out / "other")
+    capsys.readouterr()
+    from sglang_eagle3.cli import main
+    assert main(["export", "--draft", draft, "--format", "speculators", "--target", target, "--out", str(out),
+                 "--force"]) == 0
+    assert sorted(os.listdir(out)) == ["NOTES.txt", "config.json", "model.safetensors", "other"]
+    assert tree(out / "other") == other and (out / "NOTES.txt").read_text() == "notes"
+    assert "kept NOTES.txt, other" in capsys.readouterr().err
+    assert main(["import", "--src", str(out), "--out", str(tmp_path / "back")]) == 0
+    assert main(["import", "--src", str(tmp_path / "back"), "--out", str(out), "--force"]) == 0   # speculators -> ours
+    assert read_json(str(out))["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert tree(out / "other") == other and (out / "NOTES.txt").read_text() == "notes"
+    model = tmp_path / "model"
+    save_target(model)
+    before = tree(model)
+    capsys.readouterr()
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(model), "--force"])
+    assert f"--out {model} holds a target model (LlamaForCausalLM with {L} layers), not an EAGLE-3 draft" in err
+    assert tree(model) == before
+    (tmp_path / "f.txt").write_text("x")                 # a file: said at once, not "pass --force" first
+    err = one_line_error(capsys, ["export", "--draft", draft, "--format", "sglang", "--out", str(tmp_path / "f.txt")])
+    assert f"--out {tmp_path / 'f.txt'} is a file, not a folder" in err

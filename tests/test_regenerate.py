@@ -340,6 +340,28 @@ def test_every_flag_is_checked_before_the_model_loads(tmp_path, chats, capsys, m
     assert not os.path.exists(str(out) + ".settings.json")
 
 
+def test_an_output_over_its_own_input_is_refused(tmp_path, chats, capsys, monkeypatch):
+    """--out naming an input (or whose .partial / .settings.json file is one) is refused before anything is read:
+    --overwrite used to delete the input before regenerating it."""
+    from conftest import save_tiny_model_folder
+
+    import sglang_eagle3.engine.loader as loader
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    monkeypatch.setattr(loader, "engine_from_settings", lambda *a, **k: pytest.fail("the model loaded first"))
+    before = open(chats).read()
+    capsys.readouterr()
+    assert main(["regenerate", chats, "--target", target, "--out", chats, "--overwrite", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {chats} is the same path as input {chats}: an output must" in err, err
+    assert open(chats).read() == before
+    partial = str(tmp_path / "p.jsonl.partial")
+    os.replace(chats, partial)
+    assert main(["regenerate", partial, "--target", target, "--out", str(tmp_path / "p.jsonl"), "--quiet"]) == 2
+    assert f"--out {partial} is the same path as input {partial}" in capsys.readouterr().err
+    assert open(partial).read() == before
+
+
 def test_a_rerun_over_an_empty_partial_file_takes_the_new_settings(tmp_path, chats, capsys):
     """A run stopped before its first batch leaves an empty OUT.partial and its settings: nothing to protect, so a
     rerun with other settings goes ahead (and records them); a partial file with rows is still protected."""

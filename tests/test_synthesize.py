@@ -270,3 +270,21 @@ def test_flags_and_exclude_files_are_checked_before_anything_is_written_or_remov
         assert said in capsys.readouterr().err, extra
     assert "a prompt I keep" in out.read_text()                 # --overwrite removed nothing: the run never began
     assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "target"]
+
+
+def test_an_output_over_an_exclude_file_is_refused(tmp_path, capsys, monkeypatch):
+    """--out naming an --exclude file is refused before anything is read: --overwrite used to delete the eval set."""
+    from conftest import save_tiny_model_folder
+
+    import sglang_eagle3.engine.loader as loader
+    from sglang_eagle3.cli import main
+    target = save_tiny_model_folder(tmp_path / "target")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"turns": ["an eval prompt"]}) + "\n")
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: pytest.fail("the model loaded first"))
+    capsys.readouterr()
+    assert main(["synthesize-prompts", "--target", target, "--out", str(evals), "--n", "4", "--quiet",
+                 "--exclude", str(evals), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {evals} is the same path as --exclude {evals}" in err, err
+    assert "an eval prompt" in evals.read_text() and sorted(os.listdir(tmp_path)) == ["eval.jsonl", "target"]

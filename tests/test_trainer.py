@@ -526,6 +526,32 @@ def test_check_only_checks_what_the_run_will_before_any_worker_starts(setup, tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_outputs_never_cover_an_input(setup, tmp_path, capsys, monkeypatch):
+    """train --init-from RUN/draft --out RUN --overwrite used to delete the draft it was to start from; --out must
+    lie apart from every input (train, remap-vocab), refused before the trainer is built or anything is written."""
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.training.trainer import loop
+    _, target, _, dump = setup
+    run = tmp_path / "run"
+    first = Trainer(small_cfg(setup, run, save_every=0, max_steps=1)).run()
+    before = {f: open(os.path.join(first["export"], f), "rb").read() for f in os.listdir(first["export"])}
+    monkeypatch.setattr(loop, "Trainer", lambda cfg: pytest.fail("the trainer was built before the check"))
+    capsys.readouterr()
+    base = ["train", "--target", target, "--data", dump, "--eval-rows", "4", "--draft-vocab-size", "48"]
+    for argv, said in (([*base, "--init-from", first["export"], "--out", str(run), "--overwrite"],
+                        f"--out {run} contains --init-from {first['export']}: an output must not be"),
+                       ([*base, "--init-from", first["export"], "--out", str(run), "--overwrite", "--check-only"],
+                        f"--out {run} contains --init-from"),
+                       ([*base, "--out", dump, "--overwrite"], f"--out {dump} is the same path as --data {dump}"),
+                       (["remap-vocab", "--draft", first["export"], "--target", target, "--draft-vocab",
+                         str(run / "draft_vocab.safetensors"), "--out", os.path.join(first["export"], "cut")],
+                        f"--out {os.path.join(first['export'], 'cut')} is inside --draft {first['export']}")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)
+    assert {f: open(os.path.join(first["export"], f), "rb").read() for f in os.listdir(first["export"])} == before
+
+
 def test_check_only_refuses_a_resume_the_run_would_refuse(setup, tmp_path, capsys):
     from sglang_eagle3.cli import main
     _, target, _, dump = setup

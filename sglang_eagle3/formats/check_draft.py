@@ -312,10 +312,17 @@ def check_draft(draft_dir: str, target=None) -> list[Finding]:
 
 
 def _cli(args) -> int:
-    if not os.path.isdir(args.draft):
+    from sglang_eagle3.formats.gguf_file import gguf_draft_file, gguf_findings
+    gguf = gguf_draft_file(args.draft)
+    if gguf is not None:                        # an `export --format gguf` folder, or its draft.gguf
+        findings = gguf_findings(gguf, args.target)
+    elif os.path.isfile(args.draft):
+        raise UserError(f"--draft {args.draft} is a file; expected a draft folder or a GGUF draft file")
+    elif not os.path.isdir(args.draft):
         raise UserError(f"--draft {args.draft}: no such folder")
-    check_draft_folder(args.draft, "--draft")
-    findings = check_draft(args.draft, args.target)
+    else:
+        check_draft_folder(args.draft, "--draft")
+        findings = check_draft(args.draft, args.target)
     bad = has_errors(findings)
     if args.json:
         print(json.dumps({"draft": args.draft, "target": args.target, "ok": not bad,
@@ -330,7 +337,8 @@ def _cli(args) -> int:
 def add_cli(sub) -> None:
     p = sub.add_parser("check-draft", help="validate an EAGLE-3 draft folder (ours/SGLang, SpecForge, official "
                                            "EAGLE-3, speculators) against its target")
-    p.add_argument("--draft", required=True, help="draft folder")
+    p.add_argument("--draft", required=True, help="draft folder, or a GGUF draft (`export --format gguf`'s folder or "
+                                                  "its draft.gguf: its metadata only)")
     p.add_argument("--target", default=None, help="target HF folder or hub id (only its config.json is read)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.set_defaults(func=_cli)

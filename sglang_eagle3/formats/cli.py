@@ -5,6 +5,7 @@ import os
 import sys
 
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
+from sglang_eagle3.fileio import check_apart
 from sglang_eagle3.formats.convert import FolderError, export_draft, import_draft
 from sglang_eagle3.formats.files import check_out
 from sglang_eagle3.formats.layouts import FORMATS, FormatError
@@ -39,6 +40,7 @@ def check_source(path: str, flag: str) -> None:
 
 def check_export_args(args) -> None:
     """Every flag of `eagle3 export` and the folders it names, before anything is read or converted."""
+    check_apart({"--out": args.out}, {"--draft": args.draft, "--target": args.target})
     check_source(args.draft, "--draft")
     if args.format in ("eagle-official", "gguf") and not args.target:
         raise UserError(f"--format {args.format} needs --target: " + (
@@ -73,6 +75,7 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
+    check_apart({"--out": args.out}, {"--src": args.src, "--target": args.target})
     check_source(args.src, "--src")
     check_out(args.out, args.force)
     findings, notes = _run(import_draft, args.src, args.out, fmt=args.format, target=args.target,
@@ -92,7 +95,9 @@ def add_cli(sub) -> None:
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="speculators only: proposal_methods[0].speculative_tokens, vLLM's default draft length "
                         "(default 3)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="write into an existing --out: its config.json and weights "
+                                                        "(gguf: draft.gguf, target.gguf) are replaced, its other "
+                                                        "files kept")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("import", help="convert a draft (official EAGLE-3, SpecForge, speculators) into ours")
@@ -101,5 +106,6 @@ def add_cli(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--target", default=None, help="target HF folder or hub id: validates the result and supplies "
                                                   "default aux layer ids when the source has none")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="write into an existing --out: its config.json and weights "
+                                                        "are replaced, its other files kept")
     p.set_defaults(func=_import)

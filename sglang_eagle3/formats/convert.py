@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from sglang_eagle3.fileio import check_apart
 from sglang_eagle3.formats import eagle, files, speculators
 from sglang_eagle3.formats.check_draft import check_draft
 from sglang_eagle3.formats.files import FolderError  # noqa: F401  (re-exported for callers)
@@ -136,8 +137,19 @@ def _write_with(write, companions: list[str]):
     return fill
 
 
+def _kept_note(out: str, kept: list[str]) -> list[str]:
+    """What --force left in a folder it wrote a draft into (as `init-draft --force` says it)."""
+    return [f"replaced the config.json and weights in {out}; kept {', '.join(kept)} (they may describe the old "
+            "weights)"] if kept else []
+
+
+def _inputs(src_flag: str, src: str, target) -> dict:
+    return {src_flag: src, "--target": target if isinstance(target, (str, os.PathLike)) else None}
+
+
 def import_draft(src: str, out: str, fmt: str = "auto", target=None, overwrite: bool = False):
     """Convert any supported layout into ours at `out`. Returns (check-draft findings, notes)."""
+    check_apart({"--out": out}, _inputs("--src", src, target), FormatError)
     files.check_out(out, overwrite)
     folder = read_folder(src, fmt)
     tview = _target_view(target)
@@ -145,8 +157,8 @@ def import_draft(src: str, out: str, fmt: str = "auto", target=None, overwrite: 
     config, tensors, weights = eagle.from_ours("sglang", cfg.to_dict(), tensors)
     validate = _Validate(tview)
     write = _write_with(lambda d: eagle.write(d, config, tensors, weights), _companions(src, "sglang", notes))
-    files.write_folder_atomic(out, write, overwrite, validate)
-    return validate.findings, [f"read {folder.format} layout from {src}"] + notes
+    kept = files.write_folder_atomic(out, write, overwrite, validate)
+    return validate.findings, [f"read {folder.format} layout from {src}"] + notes + _kept_note(out, kept)
 
 
 def _with_official_embedding(cfg, tensors: dict, target) -> dict:
@@ -182,8 +194,7 @@ def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: 
     from sglang_eagle3.models.config import default_aux_layer_ids
     if fmt not in FORMATS:
         raise FormatError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if os.path.realpath(out) == os.path.realpath(src):
-        raise FormatError(f"--out {out} is the draft being exported: write the export to another folder")
+    check_apart({"--out": out}, _inputs("--draft", src, target), FormatError)
     files.check_out(out, overwrite)
     folder = read_folder(src, "auto")
     tview = _target_view(target)
@@ -206,5 +217,5 @@ def export_draft(src: str, fmt: str, out: str, target=None, speculative_tokens: 
                              "eagle_config, but SafeAILab/EAGLE's own runtime always captures its default layers")
     validate = _Validate(tview)
     write = _write_with(lambda d: layout(fmt).write(d, config, tensors, weights), _companions(src, fmt, notes))
-    files.write_folder_atomic(out, write, overwrite, validate)
-    return validate.findings, notes
+    kept = files.write_folder_atomic(out, write, overwrite, validate)
+    return validate.findings, notes + _kept_note(out, kept)

@@ -104,33 +104,40 @@ def save_json(d: dict, path: str) -> None:
 
 
 def check_out(out: str, overwrite: bool = False) -> None:
-    """The folder a conversion will write, checked before any work: new, or replaced with --force; a folder (not a
-    file); and writable: its parent (or the nearest folder above that exists) and, when replaced, every folder in it
-    (its files are removed), so a conversion never fails at its last step."""
+    """The folder a conversion will write, checked before any work: new, or a folder (not a file) whose draft files
+    (config.json, weights) --force replaces, keeping its other files, and that holds no other kind of model; and
+    writable: its parent (or the nearest folder above that exists) and, when written into, the folder itself, so a
+    conversion never fails at its last step."""
+    from sglang_eagle3.models.config import check_replaceable
     if os.path.exists(out):
-        if not overwrite:
-            raise FolderError(f"--out {out} already exists (pass --force to replace it)")
         if not os.path.isdir(out):
             raise FolderError(f"--out {out} is a file, not a folder")
+        if not overwrite:
+            raise FolderError(f"--out {out} already exists (pass --force to replace its config.json and weights; "
+                              "its other files are kept)")
+        check_replaceable(out, "--out")
     above = existing_ancestor(out)
     if not os.path.isdir(above):
         raise FolderError(f"--out {out}: {above} is a file, not a folder")
     unwritable = [above] if not os.access(above, os.W_OK | os.X_OK) else []
-    if os.path.isdir(out):
-        unwritable += [d for d, _, _ in os.walk(out) if not os.access(d, os.W_OK | os.X_OK)]
+    if os.path.isdir(out) and not os.access(out, os.W_OK | os.X_OK):
+        unwritable.append(out)
     if unwritable:
         raise FolderError(f"--out {out}: no permission to write in {unwritable[0]}" +
                           (" (the folder being replaced)" if unwritable[0] != above else ""))
 
 
 def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool = False,
-                        validate: Callable[[str], None] | None = None) -> None:
-    """Build the folder in a temporary sibling, validate it, then move it to `out` in one rename.
+                        validate: Callable[[str], None] | None = None) -> list[str]:
+    """Build the folder in a temporary sibling, validate it, then move it to `out`.
 
     fill(tmp_dir) writes the files; validate(tmp_dir) may raise to abandon the write.
-    An existing `out` is replaced only with overwrite=True (moved aside, and removed once the new one is in place).
-    On any failure nothing is left behind: no temporary folder, and the old `out` where it was.
+    A new `out` arrives in one rename. An existing one is written into only with overwrite=True (`--force`): its draft
+    files (config.json, weights) are replaced, every other file stays (as `init-draft --force` does); returns their
+    names. On any failure nothing is left behind: no temporary folder, and the old `out` as it was.
     """
+    from sglang_eagle3.fileio import move_in
+    from sglang_eagle3.models.config import draft_file
     check_out(out, overwrite)
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
@@ -139,26 +146,22 @@ def write_folder_atomic(out: str, fill: Callable[[str], None], overwrite: bool =
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     except OSError as e:
         raise FolderError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
-    old = None
     try:
         fill(tmp)
         _usual_permissions(tmp)
         if validate is not None:
             validate(tmp)
-        if os.path.exists(out):
-            old = tmp.replace(".tmp-", ".old-")
-            os.replace(out, old)                   # a rename in the same folder: the old one stays whole
-        os.replace(tmp, out)
+        if not os.path.exists(out):
+            os.replace(tmp, out)
+            return []
+        return move_in(tmp, out, draft_file)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(out):
-            os.replace(old, out)                   # the old folder back where it was
         if isinstance(e, OSError) and not isinstance(e, UserError):
             raise FolderError(f"--out {out}: cannot write it ({e.strerror or e}"
                               f"{': ' + str(e.filename) if e.filename else ''})") from None
         raise
-    if old is not None:
-        shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _usual_permissions(directory: str) -> None:

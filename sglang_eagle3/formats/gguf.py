@@ -24,6 +24,7 @@ import tempfile
 from typing import Optional
 
 from sglang_eagle3.errors import UserError
+from sglang_eagle3.formats.gguf_file import read_gguf  # noqa: F401  (re-exported: the reader lives with the checks)
 
 GGUF_FILES = ("target.gguf", "draft.gguf")
 
@@ -80,7 +81,9 @@ def convert(src: str, outfile: str, target_dir: Optional[str] = None, outtype: s
 def export_gguf(draft_dir: str, target_dir: str, out: str, overwrite: bool = False, outtype: str = "bf16",
                 llamacpp_root: Optional[str] = None) -> dict:
     """DRAFT + TARGET -> OUT/draft.gguf (+ OUT/target.gguf, reused when already there). Returns a summary."""
+    from sglang_eagle3.fileio import check_apart
     from sglang_eagle3.formats.check_draft import ERROR, check_draft
+    check_apart({"--out": out}, {"--draft": draft_dir, "--target": target_dir}, GGUFExportError)
     if target_dir is None or not os.path.isdir(target_dir):
         raise GGUFExportError("--format gguf needs --target: a local HF folder (llama.cpp's converter reads its "
                               "config, tokenizer and, for target.gguf, its weights)")
@@ -103,26 +106,3 @@ def export_gguf(draft_dir: str, target_dir: str, out: str, overwrite: bool = Fal
     from sglang_eagle3.fileio import write_json
     write_json(os.path.join(out, "gguf_export.json"), summary)
     return summary
-
-
-def read_gguf(path: str) -> dict:
-    """Architecture, metadata and tensor shapes of a GGUF file (the `gguf` package's reader)."""
-    from gguf import GGUFReader
-    r = GGUFReader(path)
-
-    def value(field):
-        if not field.types:
-            return None
-        from gguf import GGUFValueType
-        if field.types[0] == GGUFValueType.STRING:
-            return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-        if field.types[0] == GGUFValueType.ARRAY:
-            if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-                return None                                             # token lists: not needed here
-            return [int(field.parts[i][0]) if field.parts[i].dtype.kind in "iu" else float(field.parts[i][0])
-                    for i in field.data]
-        x = field.parts[field.data[0]][0]
-        return bool(x) if field.types[0] == GGUFValueType.BOOL else (int(x) if x.dtype.kind in "iu" else float(x))
-    meta = {k: value(f) for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
-    tensors = {t.name: {"shape": [int(x) for x in t.shape], "type": t.tensor_type.name} for t in r.tensors}
-    return {"architecture": meta.get("general.architecture"), "metadata": meta, "tensors": tensors}

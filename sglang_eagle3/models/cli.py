@@ -10,18 +10,16 @@ import tempfile
 import torch
 
 from sglang_eagle3.errors import UserError
-from sglang_eagle3.fileio import usual_permissions
-from sglang_eagle3.models.config import Eagle3Config
+from sglang_eagle3.fileio import check_apart, move_in, usual_permissions
+from sglang_eagle3.models.config import Eagle3Config, check_replaceable, draft_file
 from sglang_eagle3.models.testbed import resolve_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# what --force replaces in an existing draft folder: the weights and the config, nothing else
-REPLACED = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
 
 def replaced_files(folder: str) -> list[str]:
-    return sorted(f for f in os.listdir(folder)
-                  if f in REPLACED or f.endswith(".safetensors") or (f.startswith("pytorch_model") and ".bin" in f))
+    """What --force replaces in an existing draft folder: the weights and the config, nothing else."""
+    return sorted(f for f in os.listdir(folder) if draft_file(f))
 
 
 def add_cli(sub) -> None:
@@ -54,10 +52,7 @@ def init_draft(target: str, out: str, draft_vocab_size=None, seed: int = 0, dtyp
     staging = tempfile.mkdtemp(prefix=".init-draft-", dir=os.path.dirname(os.path.abspath(out)))
     try:
         model.save_pretrained(staging, dtype=DTYPES[dtype])
-        for f in replaced_files(out):                       # the old weights go only once the new ones exist
-            os.unlink(os.path.join(out, f))
-        for f in os.listdir(staging):
-            os.replace(os.path.join(staging, f), os.path.join(out, f))
+        move_in(staging, out, draft_file)                   # the old weights go only once the new ones are in
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     usual_permissions(out)
@@ -65,12 +60,14 @@ def init_draft(target: str, out: str, draft_vocab_size=None, seed: int = 0, dtyp
 
 
 def run_init_draft(a) -> int:
+    check_apart({"--out": a.out}, {"--target": a.target})
     if a.draft_vocab_size is not None and a.draft_vocab_size < 1:
         raise UserError(f"--draft-vocab-size must be >= 1, got {a.draft_vocab_size}")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise UserError(f"--out {a.out} is a file, not a folder")
     kept = []
     if os.path.isdir(a.out) and os.listdir(a.out):
+        check_replaceable(a.out, "--out")
         if not replaced_files(a.out) and not a.force:
             raise UserError(f"--out {a.out} is not empty and holds no draft; choose an empty or new folder "
                             "(or --force to add a draft beside its files)")

@@ -279,6 +279,21 @@ def folder_kind(directory: str) -> tuple[str, str]:
     return "", ""
 
 
+def draft_file(name: str) -> bool:
+    """A file a draft folder's loaders read as the draft (config.json, weights: every *.safetensors is a shard to
+    them): what writing a draft into a folder replaces, and nothing else."""
+    return (name in ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+            or name.endswith(".safetensors") or (name.startswith("pytorch_model") and ".bin" in name))
+
+
+def check_replaceable(directory: str, flag: str = "--out") -> None:
+    """A folder a draft will be written into (its config.json and weights replaced) holds no other kind of model."""
+    kind, what = folder_kind(directory)
+    if kind == "target":
+        raise ConfigError(f"{_named(flag, directory)} holds a target model ({what}), not an EAGLE-3 draft: writing a "
+                          f"draft there would replace its config.json and weights; choose another {flag}")
+
+
 def check_draft_folder(directory: str, flag: str = "") -> None:
     """Refuse a target model's folder where an EAGLE-3 draft folder is expected, in one line."""
     kind, what = folder_kind(directory)

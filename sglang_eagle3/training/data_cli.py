@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 
 from sglang_eagle3.errors import check_at_least, flags_of
+from sglang_eagle3.fileio import check_apart
 from sglang_eagle3.training.data.build import LENGTH_POLICIES
 from sglang_eagle3.training.data.formats import FORMATS, DataError
 
@@ -50,13 +51,16 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
                         "repeated 8-gram) instead of dropping it")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="also build the draft vocab (draft_vocab.safetensors) of this size in --out")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true", help="write into an existing --out: its data set (data.arrow, "
+                                                            "stats.json, draft_vocab.*) is replaced, other files kept")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run_prepare(args) -> int:
-    from sglang_eagle3.training.data.build import prepare_dataset
+    from sglang_eagle3.training.data.build import check_dataset_out, kept_files, prepare_dataset
     from sglang_eagle3.training.data.formats import parse_sources
+    sources = parse_sources(args.inputs, args.format)
+    check_apart({"--out": args.out}, {"input": [s.path for s in sources if not s.is_hub], "--target": args.target})
     if args.max_length is not None and args.max_length < 2:
         raise DataError(f"--max-length must be >= 2, got {args.max_length}")
     if args.min_distinct_ngrams is not None and not 0 < args.min_distinct_ngrams <= 1:
@@ -64,9 +68,8 @@ def run_prepare(args) -> int:
     if args.cut_loops and args.min_distinct_ngrams is None:
         raise DataError("--cut-loops needs --min-distinct-ngrams (which rows count as looping)")
     check_at_least(1, flags_of(args, "max_rows", "draft_vocab_size"), DataError)
-    if os.path.exists(args.out) and not args.overwrite:
-        raise DataError(f"--out {args.out} exists; pass --overwrite to replace it")
-    sources = parse_sources(args.inputs, args.format)
+    check_dataset_out(args.out, args.overwrite)
+    kept = kept_files(args.out)
     tok, vocab = load_target_tokenizer(args.target)
     if args.draft_vocab_size is not None and args.draft_vocab_size > vocab:
         raise DataError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target vocabulary of {vocab}")
@@ -78,6 +81,8 @@ def run_prepare(args) -> int:
                             extra_stats={"target": args.target, "inputs": args.inputs})
     print(format_stats(stats))
     print(f"wrote {args.out}")
+    if kept:
+        print(f"eagle3 prepare-data: replaced the data set in {args.out}; kept {', '.join(kept)}", file=sys.stderr)
     if args.draft_vocab_size:
         from sglang_eagle3.training.vocab import build_vocab, format_report
         print(format_report(build_vocab(args.out, args.draft_vocab_size, vocab, overwrite=True)))

@@ -23,13 +23,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from sglang_eagle3.errors import check_at_least
-from sglang_eagle3.fileio import existing_ancestor, file_sha256, write_json
+from sglang_eagle3.fileio import check_apart, existing_ancestor, file_sha256, usual_permissions, write_json
 from sglang_eagle3.training.dump_reader import CONFIG, FORMAT_VERSION, MANIFEST, DumpError, HiddenStateDump, read_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -176,6 +177,7 @@ def write_shard(out_dir: str, i: int, tensors: dict, row_range: tuple[int, int])
     save_file(tensors, tmp, metadata={"format": "pt"})     # one key: byte-identical files for equal data
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+    usual_permissions(tmp)                                  # save_file makes 0600
     os.replace(tmp, path)
     info = {"file": shard_name(i), "row_start": row_range[0], "rows": row_range[1] - row_range[0],
             "tokens": int(tensors["input_ids"].numel()), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
@@ -256,8 +258,10 @@ def finalize(out_dir: str) -> Optional[dict]:
 
 
 def check_dump_args(out_dir: str, rows_per_shard: int, batch_tokens: int, rank: int, world_size: int,
-                    overwrite: bool, reuse: Sequence[str]) -> None:
-    """The settings of a dump, checked before the target loads (the command line) and again by dump_hidden_states."""
+                    overwrite: bool, reuse: Sequence[str], source: str = "") -> None:
+    """The settings of a dump, checked before the target loads (the command line) and again by dump_hidden_states.
+    source: the --data being dumped (kept apart from --out, as every --reuse dump)."""
+    check_apart({"--out": out_dir}, {"--data": source or None, "--reuse": list(reuse)}, DumpError)
     check_at_least(1, {"--rows-per-shard": rows_per_shard, "--batch-tokens": batch_tokens,
                        "--world-size": world_size}, DumpError)
     if not 0 <= rank < world_size:
@@ -267,10 +271,22 @@ def check_dump_args(out_dir: str, rows_per_shard: int, batch_tokens: int, rank: 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise DumpError(f"--out {out_dir} is a file, not a folder")
     for r in reuse:
-        if os.path.realpath(r) == os.path.realpath(out_dir):
-            raise DumpError(f"--reuse {out_dir} is the --out directory itself: reuse another, finished dump")
         if not os.path.isfile(os.path.join(r, MANIFEST)):
             raise DumpError(f"--reuse {r}: not a finished dump (no {MANIFEST})")
+
+
+def dump_file(name: str) -> bool:
+    """A file a dump writes (its config, manifest, shards, their sidecars and temporary files): what --overwrite
+    removes from --out."""
+    return name in (CONFIG, MANIFEST) or name.startswith("shard_")
+
+
+def clear_dump(out_dir: str) -> list[str]:
+    """Remove a dump's own files from out_dir; returns the names of the other files, which stay."""
+    for name in os.listdir(out_dir):
+        if dump_file(name):
+            os.remove(os.path.join(out_dir, name))
+    return sorted(os.listdir(out_dir))
 
 
 def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per_shard: int = 256,
@@ -280,9 +296,11 @@ def dump_hidden_states(target, rows, out_dir: str, *, source: str = "", rows_per
     """Dump this rank's shards (skipping finished ones); returns the manifest if the dump is now complete.
     reuse: finished dumps of the same target and settings whose rows are copied, not recomputed."""
     from tqdm import tqdm
-    check_dump_args(out_dir, rows_per_shard, batch_tokens, rank, world_size, overwrite, reuse)
+    check_dump_args(out_dir, rows_per_shard, batch_tokens, rank, world_size, overwrite, reuse, source)
     if overwrite and os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
+        kept = clear_dump(out_dir)
+        if kept:
+            print(f"dump: --overwrite removed the dump in {out_dir}; kept {', '.join(kept)}", file=sys.stderr)
     os.makedirs(out_dir, exist_ok=True)
     settings = dump_settings(target, rows, dtype, rows_per_shard, source)
     ranges = shard_ranges(len(rows), rows_per_shard)

@@ -18,7 +18,7 @@ from typing import Optional, Protocol
 
 from sglang_eagle3.engine.settings import add_dtype_arg, add_spec_args
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
-from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
+from sglang_eagle3.fileio import append_jsonl, check_apart, exclusive_writer, read_jsonl_resumable, write_text_atomic
 from sglang_eagle3.training.data.formats import FORMATS, BadRow, Conversation, parse_sources, read_source
 
 
@@ -237,6 +237,11 @@ def _finish_in_input_order(partial: str, out: str, keys: list[str]) -> None:
 SETTINGS_SUFFIX = ".settings.json"
 
 
+def written_files(out: str) -> dict:
+    """The files a resumable --out run writes (regenerate, synthesize-prompts), for fileio.check_apart."""
+    return {"--out": [out, out + ".partial", out + SETTINGS_SUFFIX]}
+
+
 def run_settings(args) -> dict:
     """What decides the rows' contents; a resumed or extended run must use the same. --max-rows and
     --max-prompt-chars only select which conversations are answered: raising them adds rows."""
@@ -277,6 +282,8 @@ def check_args(args) -> None:
     from sglang_eagle3.engine.verify import SamplingParams
     if (args.server is None) == (args.target is None):
         raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
+    inputs = [s.path for s in parse_sources(args.inputs, args.format) if not s.is_hub]
+    check_apart(written_files(args.out), {"input": inputs, "--target": args.target, "--draft": args.draft})
     check_at_least(1, flags_of(args, "batch_size", "max_new_tokens", "concurrency", "write_every", "max_turns",
                                "max_rows", "max_prompt_chars"))
     for flag, value, ok, rule in (("--time-budget", args.time_budget, args.time_budget is None or args.time_budget > 0,

@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 
 from sglang_eagle3.engine.settings import add_dtype_arg
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
-from sglang_eagle3.fileio import append_jsonl, exclusive_writer, read_jsonl_resumable, write_text_atomic
+from sglang_eagle3.fileio import append_jsonl, check_apart, exclusive_writer, read_jsonl_resumable, write_text_atomic
 
 SENTINEL = "\u2063SYNTH\u2063"          # stands for the user's message while the template is rendered
 NGRAM = 13                               # decontamination: word n-grams shared with an excluded prompt
@@ -229,6 +229,8 @@ def check_args(args) -> None:
     """Every flag, before any file is read, removed or written."""
     from sglang_eagle3.engine.settings import check_device
     from sglang_eagle3.engine.verify import SamplingParams
+    from sglang_eagle3.training.regenerate import written_files
+    check_apart(written_files(args.out), {"--exclude": args.exclude, "--target": args.target})
     check_at_least(1, flags_of(args, "n", "batch_size", "max_new_tokens", "min_chars", "turns",
                                "answer_max_new_tokens"))
     if not args.temperature > 0:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sglang_eagle3.errors import UserError, check_at_least
+from sglang_eagle3.fileio import atomic_write, write_json
 
 VOCAB_FILE, REPORT_FILE = "draft_vocab.safetensors", "draft_vocab.json"
 CANDIDATE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 32768)
@@ -70,15 +71,12 @@ def coverage_table(counts: np.ndarray, sizes=CANDIDATE_SIZES) -> list[dict]:
 
 
 def save_vocab(directory: str, draft_to_target: torch.Tensor, counts: np.ndarray, report: dict) -> str:
-    from safetensors.torch import save_file
+    """The vocabulary file and its report, each written atomically with the umask's permissions (fileio)."""
+    from safetensors.torch import save
     d2t, t2d = vocab_mapping(draft_to_target, counts.size)
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, VOCAB_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file({"draft_to_target": draft_to_target.contiguous(), "d2t": d2t, "t2d": t2d,
-               "token_counts": torch.from_numpy(counts)}, tmp)
-    os.replace(tmp, path)
-    from sglang_eagle3.fileio import write_json
+    tensors = {"draft_to_target": draft_to_target.contiguous(), "d2t": d2t, "t2d": t2d,
+               "token_counts": torch.from_numpy(counts)}
+    path = atomic_write(os.path.join(directory, VOCAB_FILE), lambda f: f.write(save(tensors)))
     write_json(os.path.join(directory, REPORT_FILE), report)
     return path
 

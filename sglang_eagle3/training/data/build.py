@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from sglang_eagle3.fileio import write_json
+from sglang_eagle3.fileio import check_apart, move_in, write_json
 from sglang_eagle3.training.data.chat import ChatRenderer, ChatTemplateError
 from sglang_eagle3.training.data.formats import BadRow, DataError, Source, count_rows, read_source
 
@@ -183,16 +183,33 @@ def _fsync_dir(path: str) -> None:
             os.fsync(f.fileno())
 
 
+def dataset_file(name: str) -> bool:
+    """A file of the data set: what --overwrite replaces in an existing --out (the rows, their stats, and the
+    draft vocabulary built from them: training/vocab.py's draft_vocab.safetensors / .json)."""
+    return name in (DATA_FILE, STATS_FILE) or name.startswith("draft_vocab.")
+
+
+def check_dataset_out(out: str, overwrite: bool) -> None:
+    """The folder a dataset goes to: new, or a folder whose dataset files --overwrite replaces (others are kept)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"--out {out} is a file, not a folder")
+    if os.path.exists(out) and not overwrite:
+        raise DataError(f"--out {out} exists; pass --overwrite to replace its {DATA_FILE} and {STATS_FILE} (its "
+                        "other files are kept)")
+
+
+def kept_files(out: str) -> list[str]:
+    """The files of an existing --out that --overwrite keeps (all but the dataset's own)."""
+    return sorted(n for n in os.listdir(out) if not dataset_file(n)) if os.path.isdir(out) else []
+
+
 def publish_dir(tmp: str, out: str, overwrite: bool) -> None:
-    """Move a finished tmp dir to `out`; an existing `out` is replaced only with overwrite=True."""
+    """Move a finished tmp dir to `out`. An existing `out` is written into only with overwrite=True: its dataset files
+    are replaced, its other files kept (kept_files)."""
     _fsync_dir(tmp)
+    check_dataset_out(out, overwrite)
     if os.path.exists(out):
-        if not overwrite:
-            raise DataError(f"{out} exists; pass --overwrite to replace it")
-        old = f"{out}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
+        move_in(tmp, out, dataset_file)
     else:
         os.rename(tmp, out)
 
@@ -204,8 +221,8 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
                     target_vocab_size: Optional[int] = None, extra_stats: Optional[dict] = None,
                     progress: bool = True) -> dict:
     """Tokenize `sources` with the target tokenizer's chat template into dataset dir `out`; returns the stats."""
-    if os.path.exists(out) and not overwrite:
-        raise DataError(f"{out} exists; pass --overwrite to replace it")
+    check_apart({"--out": out}, {"input": [s.path for s in sources if not s.is_hub]}, DataError)
+    check_dataset_out(out, overwrite)
     renderer = ChatRenderer(tokenizer, merge_system=merge_system, tool_role=tool_role)
     out = os.path.abspath(out)
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -241,9 +258,8 @@ def prepare_dataset(sources: list[Source], tokenizer, out: str, *, max_length: O
                  "tool_role": tool_role, **(extra_stats or {})}
         write_json(os.path.join(tmp, STATS_FILE), stats)
         publish_dir(tmp, out, overwrite)
-    except BaseException:
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return stats
 
 

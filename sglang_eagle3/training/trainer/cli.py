@@ -7,6 +7,7 @@ import os
 from typing import Optional
 
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
+from sglang_eagle3.fileio import check_apart
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")     # torch is imported only when a command runs
 
@@ -29,7 +30,8 @@ def add_dump_args(p) -> None:
     p.add_argument("--reuse", action="append", default=[], metavar="DUMP",
                    help="a finished dump of the same target and settings: rows it holds (same token ids) are "
                         "copied instead of recomputed, so a grown dataset costs only its new rows (repeatable)")
-    p.add_argument("--overwrite", action="store_true", help="delete --out first (single process only)")
+    p.add_argument("--overwrite", action="store_true", help="delete the dump in --out first (its shards, config and "
+                                                            "manifest; other files are kept; single process only)")
     p.add_argument("--no-disk-check", action="store_true", help="start even if the estimate exceeds free space")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -69,8 +71,10 @@ def run_dump(args) -> int:
     from sglang_eagle3.training.trainer.preflight import check_aux_layers, target_text_config
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    check_apart({"--out": args.out}, {"--target": args.target})
+    check_dump_args(args.out, args.rows_per_shard, args.batch_tokens, rank, world, args.overwrite, args.reuse,
+                    args.data)
     check_at_least(1, flags_of(args, "max_rows"))
-    check_dump_args(args.out, args.rows_per_shard, args.batch_tokens, rank, world, args.overwrite, args.reuse)
     device = resolve_device(check_device(args.device))
     aux = parse_layer_ids(args.aux_layer_ids)
     check_aux_layers(aux, target_text_config(args.target))
@@ -265,6 +269,8 @@ def add_cli(sub) -> None:
 
 def run_remap_vocab(args) -> int:
     from sglang_eagle3.training.trainer.draft_init import remap_vocab
+    check_apart({"--out": args.out}, {"--draft": args.draft, "--draft-vocab": args.draft_vocab,
+                                      "--target": args.target})
     with value_errors_as_user_errors():
         print(f"wrote {remap_vocab(args.draft, args.draft_vocab, args.target, args.out)}")
     return 0

@@ -13,6 +13,7 @@ import os
 
 from sglang_eagle3.engine.settings import check_device
 from sglang_eagle3.errors import UserError
+from sglang_eagle3.fileio import check_apart
 from sglang_eagle3.models.config import ConfigError, Eagle3Config
 from sglang_eagle3.training.dump_reader import MANIFEST
 from sglang_eagle3.training.trainer import backend as B
@@ -22,7 +23,11 @@ from sglang_eagle3.training.trainer.run_folder import check_resumable, check_run
 
 
 def check_paths(cfg) -> None:
-    """The files and folders the flags name exist, and --data is a kind of data the trainer reads."""
+    """The files and folders the flags name exist, lie apart from --out, and --data is a kind of data the trainer
+    reads."""
+    check_apart({"--out": cfg.out}, {"--data": cfg.data, "--eval-data": cfg.eval_data, "--init-from": cfg.init_from,
+                                     "--draft-vocab": cfg.draft_vocab, "--draft-config": cfg.draft_config,
+                                     "--deepspeed-config": cfg.deepspeed_config, "--target": cfg.target})
     if not os.path.exists(cfg.data):
         raise UserError(f"--data {cfg.data}: no such file or folder (make data / make dump first?)")
     if os.path.isdir(cfg.data) and not (os.path.isfile(os.path.join(cfg.data, MANIFEST)) or
