@@ -304,6 +304,25 @@ def test_a_step_cost_row_that_falls_as_trees_grow_is_timed_again(tmp_path, monke
     assert cost_model.read_cached_costs(str(cache_file(tmp_path))).verify == good.verify      # the good row stays
 
 
+def test_a_step_cost_row_that_fails_to_measure_is_extrapolated(tmp_path, monkeypatch, capsys):
+    """Measuring a row mid-serving (lazily) must not fail the step that asked for it, nor every later one: a forward
+    that raises (out of memory beside the KV pool, say) leaves that row extrapolated, said once."""
+    from sglang_eagle3.engine import cost_model
+
+    def failing(batch, tokens, context):
+        if batch == 4:
+            raise RuntimeError("CUDA out of memory")
+        return linear_cost(batch, tokens, context)
+    fake_step_costs(monkeypatch, tmp_path, failing)
+    tm, _ = tiny_target("llama", vocab_size=64)
+    planner = TreePlanner(cost_model.load_or_measure_costs(tm, 8, 16), 16, has_draft=False)
+    for _ in range(3):
+        planner.prepare(4)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert "measuring step costs at batch 4 failed (CUDA out of memory): extrapolated" in line
+    assert sorted(planner.costs.verify) == [1] and 0 < planner.verify_s(4, 2, 128) < math.inf
+
+
 BAD_CACHES = {
     "all zero": ({"verify": {"1": {"1": 0.0, "16": 0.0}}, "per_context": {"1": 0.0}}, "verify[1][1] = 0.0 is not a "
                                                                                         "positive finite number"),

@@ -378,13 +378,22 @@ class MeasuredCosts(StepCosts):
         start = time.perf_counter()
         far = self._far_context(max(sizes)) if batch == 1 else 0
         points = len(sizes) + (len({1, max(sizes)}) if far else 0)
-        with tqdm(total=points, desc=f"measuring step costs at batch {batch}", unit=" point", file=sys.stderr) as bar:
-            row = self._time_row(batch, sizes, bar)
-            if far:
-                self.per_context = self._time_context(far, row, bar)
-        self.verify[batch] = row
+        try:
+            with tqdm(total=points, desc=f"measuring step costs at batch {batch}", unit=" point",
+                      file=sys.stderr) as bar:
+                row = self._time_row(batch, sizes, bar)
+                per_context = self._time_context(far, row, bar) if far else self.per_context
+        except RuntimeError as e:              # out of memory beside a server's KV pool, say: a step must not fail
+            if not self.verify:
+                raise
+            self.extrapolated.add(batch)
+            _warn(f"measuring step costs at batch {batch} failed ({one_line(e)}): extrapolated from the measured ones "
+                  f"({', '.join(map(str, sorted(self.verify)))})")
+            return
+        finally:
+            self.measure_s += time.perf_counter() - start
+        self.verify[batch], self.per_context = row, per_context
         self.source = f"measured {time.strftime('%Y-%m-%d %H:%M')}"
-        self.measure_s += time.perf_counter() - start
         self._save()
 
     def _timer(self, forward, batch: int, context: int, bar):
