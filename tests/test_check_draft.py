@@ -176,6 +176,12 @@ CONFIG_FAULTS = {
     "string head_dim": (_cset("head_dim", "16"), ["head_dim='16' is not a positive integer"]),
     "eagle_config not an object": (_cset("eagle_config", [1, 3, 4]), ["eagle_config=[1, 3, 4] is not an object"]),
     "draft vocab above vocab": (_cset("draft_vocab_size", V + 1), ["draft_vocab_size=301 exceeds vocab_size=300"]),
+    # what transformers' LlamaConfig refuses (SGLang and vLLM read the config with it)
+    "hidden not a multiple of heads": (_cset("num_attention_heads", 6), ["hidden_size=64 is not a multiple of "
+                                                                         "num_attention_heads=6"]),
+    "odd head_dim": (_cset("head_dim", 15), ["head_dim=15 is odd"]),
+    "unknown rope type": (_cset("rope_scaling", {"rope_type": "spiral"}), ["rope_type='spiral' is not a RoPE type"]),
+    "yarn without factor": (_cset("rope_scaling", {"rope_type": "yarn"}), ["LlamaConfig refuses it", "'factor'"]),
 }
 
 

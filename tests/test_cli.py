@@ -542,6 +542,30 @@ def test_generate_names_the_bad_draft_config_field(folders, tmp_path, capsys):
     assert err.strip() == f"eagle3 generate: error: {d}/config.json: draft_vocab_size='abc' is not a positive integer"
 
 
+LOADER_FAULTS = [({"hidden_size": 1000, "num_attention_heads": 9, "num_key_value_heads": 3},
+                  "hidden_size=1000 is not a multiple of "
+                  "num_attention_heads=9"),
+                 ({"head_dim": 15}, "head_dim=15 is odd"),
+                 ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+                 ({"rope_scaling": {"rope_type": "spiral", "factor": 2.0}}, "rope_scaling.rope_type='spiral' is not"),
+                 ({"rope_scaling": {"rope_type": "yarn"}}, "transformers' LlamaConfig refuses it: "
+                  "\"Missing required keys in `rope_parameters` for 'rope_type'='yarn': {'factor'}\"")]
+
+
+@pytest.mark.parametrize("edit,said", LOADER_FAULTS, ids=[",".join(e) for e, _ in LOADER_FAULTS])
+def test_generate_names_what_the_loaders_refuse_in_a_draft_config(folders, tmp_path, capsys, edit, said):
+    """A config transformers' LlamaConfig refuses (the draft's RoPE is built through it, and SGLang and vLLM read a
+    draft's config.json with it) is one line naming the file, not its StrictDataclass validation traceback."""
+    import shutil
+    target, draft, _ = folders
+    d = tmp_path / "d"
+    shutil.copytree(draft, d)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **edit}))
+    assert main(["generate", "--target", target, "--draft", str(d), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"eagle3 generate: error: {d}/config.json: ") and said in err, err
+
+
 def test_flags_that_would_be_ignored_or_misread_are_refused(folders, tmp_path, capsys):
     """Tree flags without a draft, a --num-draft-tokens a chain would cut, a folder as prompts file, a draft vocabulary
     larger than the target's and a file as --cache-dir: one line each, before any model loads."""

@@ -1,6 +1,8 @@
 """Trainer: 2-rank DeepSpeed ZeRO-2 on CPU (gloo) end to end, kill -9 and resume, ZeRO-3, plain PyTorch online."""
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -11,8 +13,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import edit_tensors
 from test_dump import load_target, make_rows, make_tiny_target, write_jsonl
 
+from sglang_eagle3.errors import UserError
 from sglang_eagle3.models.config import ConfigError
 from sglang_eagle3.models.draft import Eagle3DraftModel
 from sglang_eagle3.training.hidden_dump import dump_hidden_states
@@ -177,7 +181,8 @@ def test_plain_pytorch_online_top_features(setup, tmp_path):
     assert draft.config.draft_vocab_size == 64
     # same settings resume cleanly (nothing left to do); a different batch size is refused
     assert Trainer(TrainConfig(**{**cfg.__dict__, "resume": True})).run()["resumed_from"] == 4
-    with pytest.raises(ConfigError, match="rows_per_step: checkpoint 1 vs now 2"):
+    with pytest.raises(ConfigError, match=re.escape("rows per step (ranks x --micro-batch-size x --grad-accum): "
+                                                    "checkpoint 1, given 2")):
         Trainer(TrainConfig(**{**cfg.__dict__, "resume": True, "micro_batch_size": 2})).run()
 
 
@@ -311,7 +316,8 @@ def test_packed_rows_train_like_gradient_accumulation(setup, tmp_path):
                                  **kw)).run()
     assert switched["resumed_from"] == 2
     assert switched["param_checksums"][0] == pytest.approx(accum["param_checksums"][0], rel=1e-6)
-    with pytest.raises(ConfigError, match="per_row_loss: checkpoint True vs now False"):
+    with pytest.raises(ConfigError, match=re.escape("per-row loss (--micro-batch-size 1 or --pack-rows): checkpoint "
+                                                    "True, given False")):
         Trainer(small_cfg(setup, tmp_path / "accum", micro_batch_size=3, resume=True, **kw)).run()
 
 
@@ -552,18 +558,208 @@ def test_outputs_never_cover_an_input(setup, tmp_path, capsys, monkeypatch):
     assert {f: open(os.path.join(first["export"], f), "rb").read() for f in os.listdir(first["export"])} == before
 
 
+def test_flags_the_run_would_ignore_are_refused_naming_both(setup, tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    _, target, _, dump = setup
+    base = ["train", "--target", target, "--data", dump, "--out", str(tmp_path / "run"), "--check-only"]
+    ds_config = os.path.join(ROOT, "train", "ds_zero2.json")
+    cases = [(["--eval-data", dump, "--eval-rows", "8"], f"--eval-rows 8 holds rows of --data out for eval, but "
+                                                         f"--eval-data {dump} is the eval set"),
+             (["--save-every", "30", "--keep-every", "100"], "--keep-every 100 keeps the checkpoints at its "
+                                                             "multiples, but --save-every 30 writes none at some"),
+             (["--save-every", "0", "--keep-every", "100"], "--save-every 0 writes only the last one"),
+             (["--init-from", str(tmp_path / "d"), "--head-init", "target"], "--head-init target starts a new "
+                                                                             "draft's output head from the target's"),
+             (["--backend", "ddp", "--zero-stage", "3"], "--zero-stage 3 is a DeepSpeed setting, but the run trains "
+                                                         "with PyTorch DDP (--backend ddp)"),
+             (["--backend", "ddp", "--deepspeed-config", ds_config], f"--deepspeed-config {ds_config} is a DeepSpeed "
+                                                                     "setting")]
+    for extra, said in cases:
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert main([*base, "--eval-data", dump, "--save-every", "25", "--keep-every", "250"]) == 0
+
+
 def test_check_only_refuses_a_resume_the_run_would_refuse(setup, tmp_path, capsys):
     from sglang_eagle3.cli import main
     _, target, _, dump = setup
     out = tmp_path / "run"
     Trainer(small_cfg(setup, out, max_steps=2)).run()
     args = ["train", "--target", target, "--data", dump, "--out", str(out), "--eval-rows", "4", "--ttt-length", "2",
-            "--draft-vocab-size", "48", "--backend", "ddp", "--resume", "--check-only"]
+            "--draft-vocab-size", "48", "--backend", "ddp", "--lr", "1e-3", "--resume", "--check-only"]
     assert main([*args, "--max-steps", "2"]) == 0 and "inputs ok" in capsys.readouterr().out
     assert main([*args, "--max-steps", "2", "--seed", "5"]) == 2
     assert "cannot resume" in capsys.readouterr().err
     assert main([*args, "--max-steps", "8"]) == 2
     assert "finished its planned 2 steps" in capsys.readouterr().err
+
+
+CHANGED_ON_RESUME = [("--lr", "2e-3", "--lr: checkpoint 0.001, given 0.002"),
+                     ("--warmup-ratio", "0.5", "--warmup-ratio: checkpoint 0.02, given 0.5"),
+                     ("--min-lr-ratio", "0.1", "--min-lr-ratio: checkpoint 0.0, given 0.1"),
+                     ("--weight-decay", "0.1", "--weight-decay: checkpoint 0.0, given 0.1"),
+                     ("--grad-clip", "1.0", "--grad-clip: checkpoint 0.5, given 1.0"),
+                     ("--step-decay", "0.5", "--step-decay: checkpoint 0.8, given 0.5"),
+                     ("--ttt-length", "3", "--ttt-length: checkpoint 2, given 3"),
+                     ("--target-temperature", "0", "--target-temperature: checkpoint 1.0, given 0.0"),
+                     ("--feature-loss-weight", "0.1", "--feature-loss-weight: checkpoint 0.0, given 0.1"),
+                     ("--loss-mask-offset", "0", "--loss-mask-offset: checkpoint 1, given 0"),
+                     ("--features", "top", "--features: checkpoint fused, given top"),
+                     ("--max-length", "16", "--max-length: checkpoint 2048, given 16"),
+                     ("--head-init", "target", "--head-init: checkpoint random, given target"),
+                     ("--fc-norm", None, "--fc-norm: checkpoint False, given True"),
+                     ("--draft-vocab-size", "32", "--draft-vocab-size: checkpoint 48, given 32"),
+                     ("--grad-accum", "2", "rows per step (ranks x --micro-batch-size x --grad-accum): checkpoint 1, "
+                                           "given 2"),
+                     ("--max-steps", "6", "total steps (--max-steps / --epochs): checkpoint 4, given 6")]
+
+
+def test_resume_refuses_every_changed_setting_naming_the_flag(setup, tmp_path, capsys):
+    """A resume restores the checkpoint's optimizer and schedule (a new --lr was silently ignored) and continues its
+    loss, draft and data order: a flag that would change them is refused in one line naming it with the checkpoint's
+    value and the given one. The cadence flags may change."""
+    from sglang_eagle3.cli import main
+    _, target, _, dump = setup
+    out = tmp_path / "run"
+    args = ["train", "--target", target, "--data", dump, "--out", str(out), "--eval-rows", "4", "--ttt-length", "2",
+            "--draft-vocab-size", "48", "--backend", "ddp", "--max-steps", "4", "--lr", "1e-3", "--save-every", "2",
+            "--quiet", "--no-tensorboard"]
+    assert main(args) == 0
+    (out / "checkpoints" / "latest").write_text("step_0000002\n")       # back to the middle of the run
+    for flag, value, said in CHANGED_ON_RESUME:
+        for mode in (["--check-only"], []):
+            argv = [*args, "--resume", *mode, flag, *([value] if value else [])]
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"cannot resume {out}/checkpoints/step_0000002: " in err and said in err, err
+    with pytest.raises(ConfigError, match="--lr: checkpoint 0.001, given 0.002"):      # the trainer itself too
+        Trainer(small_cfg(setup, out, resume=True, lr=2e-3, save_every=2)).run()
+    assert main([*args, "--resume", "--eval-every", "1", "--log-every", "2", "--keep-checkpoints", "3",
+                 "--grow-chains", "all", "--verify-dumps", "size"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_init_from_weights_are_checked_before_the_target_loads(setup, tmp_path, capsys, monkeypatch):
+    """A truncated --init-from (or one without a tensor its config implies) is refused by --check-only and by the
+    run before the trainer is built, naming the file; the run leaves no folder behind."""
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.models.draft import CheckpointError
+    from sglang_eagle3.training.trainer import loop
+    _, target, _, dump = setup
+    first = Trainer(small_cfg(setup, tmp_path / "a", max_steps=1)).run()["export"]
+    truncated = shutil.copytree(first, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    missing = shutil.copytree(first, tmp_path / "missing")
+    edit_tensors(missing, lambda state: state.pop("norm.weight"))
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="unreadable safetensors file"):     # the trainer alone
+        Trainer(small_cfg(setup, out, init_from=str(truncated), draft_vocab_size=None))
+    assert not (out / "checkpoints").exists()
+    base = ["train", "--target", target, "--data", dump, "--out", str(out), "--eval-rows", "4", "--backend", "ddp"]
+    monkeypatch.setattr(loop, "Trainer", lambda cfg: pytest.fail("the trainer was built before --init-from's check"))
+    for folder, said in ((truncated, f"{weights}: unreadable safetensors file"),
+                         (missing, f"{missing}: missing tensor norm.weight")):
+        for mode in (["--check-only"], []):
+            assert main([*base, "--init-from", str(folder), *mode]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and said in err, err
+    assert not out.exists()
+
+
+def test_check_only_builds_the_draft_the_run_will_train(setup, tmp_path, capsys, monkeypatch):
+    """--draft-config's fields, the shape it gives against the target and an --init-from of another variant are
+    refused by --check-only and by the run before the trainer is built (the run found them after the target
+    loaded)."""
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.training.trainer import loop
+    _, target, _, dump = setup
+    first = Trainer(small_cfg(setup, tmp_path / "a", max_steps=1)).run()["export"]
+    config = json.loads(open(os.path.join(first, "config.json")).read())
+
+    def draft_config(name, **edit):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**config, **edit}))
+        return str(path)
+    base = ["train", "--target", target, "--data", dump, "--out", str(tmp_path / "run"), "--eval-rows", "4",
+            "--backend", "ddp"]
+    cases = [(["--draft-config", draft_config("bad", intermediate_size="wide")],
+              "bad.json: intermediate_size='wide' is not a positive integer"),
+             (["--draft-config", draft_config("heads", num_attention_heads=3, num_key_value_heads=1, head_dim=None)],
+              "heads.json: hidden_size=32 is not a multiple of num_attention_heads=3"),
+             (["--draft-config", draft_config("wide", hidden_size=64, head_dim=16)],
+              "draft hidden_size=64 but the target's embedding is [64, 32]"),
+             (["--init-from", first, "--fc-norm"], f"--init-from {first} does not match the draft being trained: "
+                                                   "fc_norm: False vs True")]
+    monkeypatch.setattr(loop, "Trainer", lambda cfg: pytest.fail("the trainer was built before the draft was checked"))
+    for extra, said in cases:
+        for mode in (["--check-only"], []):
+            assert main([*base, *extra, *mode]) == 2, extra
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def train_argv(setup, out, *extra):
+    _, target, _, dump = setup
+    return ["train", "--target", target, "--data", dump, "--out", str(out), "--eval-rows", "4", "--ttt-length", "2",
+            "--draft-vocab-size", "48", "--backend", "ddp", "--max-steps", "3", "--save-every", "1", "--quiet",
+            "--no-tensorboard", *extra]
+
+
+def test_too_little_free_space_for_the_checkpoints_is_refused_before_anything_loads(setup, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from sglang_eagle3.cli import main
+    from sglang_eagle3.training.trainer import loop
+    out = tmp_path / "run"
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=10_000))
+    monkeypatch.setattr(loop, "Trainer", lambda cfg: pytest.fail("the trainer was built without room to save"))
+    for mode in (["--check-only"], []):
+        assert main(train_argv(setup, out, *mode)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out}: the run needs ~" in err and "only 10.00 KB are free" in err, err
+    assert main(train_argv(setup, out, "--check-only", "--no-disk-check")) == 0
+    assert not out.exists()
+
+
+def test_a_checkpoint_write_that_runs_out_of_space_cleans_up(setup, tmp_path, capsys, monkeypatch):
+    """A checkpoint whose write fails for want of space removes its temporary folder (and any a kill left) and ends
+    in one line naming the folder and the free space, the previous checkpoint and `latest` untouched."""
+    from sglang_eagle3.cli import main
+    out = tmp_path / "run"
+
+    def full_disk(error, real_save=None):
+        """A backend save that writes part of a file and fails (after a first save that works, when given)."""
+        calls = []
+
+        def save(directory):
+            calls.append(directory)
+            if real_save and len(calls) == 1:
+                return real_save(directory)
+            open(os.path.join(directory, "state.pt"), "wb").write(b"partial")
+            raise error
+        return save
+    errors = [OSError(errno.ENOSPC, "No space left on device"),
+              RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed"), RuntimeError("write: No space left on device")]
+    for i, error in enumerate(errors):
+        t = Trainer(small_cfg(setup, tmp_path / f"r{i}", max_steps=3, save_every=1))
+        t.backend.save = full_disk(error, real_save=t.backend.save)
+        os.makedirs(t.ckpt_dir, exist_ok=True)
+        os.makedirs(os.path.join(t.ckpt_dir, ".tmp-step_0000009"))           # a write a kill interrupted
+        tmp = os.path.join(t.ckpt_dir, ".tmp-step_0000002")
+        with pytest.raises(UserError, match=re.escape(tmp) + r": no space left on the device .*B free; the partial "
+                           r"checkpoint was removed\): free some space or lower --keep-checkpoints"):
+            t.run()
+        assert sorted(os.listdir(t.ckpt_dir)) == ["latest", "step_0000001"]
+        assert (tmp_path / f"r{i}" / "checkpoints" / "latest").read_text() == "step_0000001\n"
+    monkeypatch.setattr(B.TorchBackend, "save", lambda self, directory: full_disk(errors[0])(directory))
+    assert main(train_argv(setup, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".tmp-step_0000001: no space left on the device" in err, err
+    assert os.listdir(out / "checkpoints") == []
 
 
 def test_checkpoint_export_and_learning_curve(setup, tmp_path):
@@ -594,6 +790,14 @@ def fake_curve_sets(tmp_path, monkeypatch) -> list:
         return {k: 1.0 + len(measured) / 10 for k in prompts}
     monkeypatch.setattr(curve, "measure_tau", fake_tau)
     return measured
+
+
+def test_export_command_names_a_folder_that_is_no_checkpoint(tmp_path, capsys):
+    from sglang_eagle3.training.trainer.export import main as export_main
+    assert export_main([str(tmp_path), str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err == (f"export: error: {tmp_path}: not a training checkpoint (no trainer_state.json; "
+                                       "RUN/checkpoints/step_N is)\n")
+    assert not (tmp_path / "d").exists()
 
 
 def test_learning_curve_measures_each_checkpoint_once(setup, tmp_path, monkeypatch):

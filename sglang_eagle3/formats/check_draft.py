@@ -23,7 +23,7 @@ from sglang_eagle3.formats import files, layouts, speculators
 from sglang_eagle3.formats.check_target import check_aux_ids, eagle_config, target_findings
 from sglang_eagle3.formats.files import TargetError, load_target_config
 from sglang_eagle3.formats.findings import ERROR, OK, WARN, Finding, Report, format_table, has_errors, positive_int
-from sglang_eagle3.models.config import check_draft_folder, folder_kind
+from sglang_eagle3.models.config import ConfigError, Eagle3Config, check_draft_folder, folder_kind, rope_settings
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
@@ -50,6 +50,7 @@ def _check_config(r: Report, c: dict, keys: dict, fmt: str) -> bool:
         r.add(ERROR, "config keys", f"{where(k)}={c[k]!r} is not a positive integer")
     if not missing and not bad:
         r.add(OK, "config keys", "all required keys present")
+        _check_loaders(r, c)
     arch = layouts.first_architecture(c)
     if fmt == "sglang" and arch:
         r.add(OK, "architectures", f"{arch} (SGLang's EAGLE-3 draft class)")
@@ -91,6 +92,22 @@ def _check_config(r: Report, c: dict, keys: dict, fmt: str) -> bool:
     else:
         r.add(OK, "tie_word_embeddings", "false: the draft's own lm_head.weight is used")
     return not missing and not bad
+
+
+def _check_loaders(r: Report, c: dict) -> None:
+    """The attention shape and RoPE as the loaders check them: the draft config's own checks and transformers'
+    LlamaConfig (SGLang and vLLM read a draft's config.json with it; our RoPE is built through it)."""
+    heads = c["num_attention_heads"]
+    try:
+        Eagle3Config(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"], num_attention_heads=heads,
+                     num_key_value_heads=heads, head_dim=c.get("head_dim"), vocab_size=c["vocab_size"],   # kv: above
+                     draft_vocab_size=1, target_hidden_size=c["hidden_size"], aux_layer_ids=[0],
+                     max_position_embeddings=c.get("max_position_embeddings") or 8192,
+                     **rope_settings(c, "config.json")).llama_config("config.json")
+    except ConfigError as e:
+        r.add(ERROR, "loaders", str(e).removeprefix("config.json: "))
+        return
+    r.add(OK, "loaders", "transformers' LlamaConfig accepts the attention shape and RoPE")
 
 
 def expected_shapes(c: dict) -> dict[str, tuple]:

@@ -60,8 +60,16 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict)  # unknown keys, kept on round-trip
 
     def __post_init__(self):
+        """The checks the loaders make (transformers' LlamaConfig, through which SGLang and vLLM read a draft's
+        config.json, and our attention), each naming its keys; llama_config runs transformers' own on top."""
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
+                              f"{self.num_attention_heads} (transformers' LlamaConfig refuses it)")
+        if self.head_dim > 4 and self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs of dimensions (transformers' "
+                              "LlamaConfig refuses it)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
@@ -76,6 +84,33 @@ class Eagle3Config:
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+    def rope_parameters(self) -> dict:
+        """RoPE as transformers' rope_parameters: rope_type (from either spelling), rope_theta and the scaling keys."""
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
+        return rope
+
+    def llama_config(self, where: str = "draft config"):
+        """The transformers LlamaConfig of the draft's attention and RoPE (what RotaryEmbedding's init functions
+        read, and what SGLang and vLLM read a draft's config.json as), with its RoPE type checked. Whatever
+        transformers refuses is one ConfigError naming `where` (the file), not its validation traceback."""
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        rope = self.rope_parameters()
+        if rope["rope_type"] != "default" and rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"{where}: rope_scaling.rope_type={rope['rope_type']!r} is not a RoPE type "
+                              f"transformers knows ({', '.join(['default', *sorted(ROPE_INIT_FUNCTIONS)])})")
+        try:
+            lc = LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                             max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
+            if rope["rope_type"] != "default":
+                ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
+        except Exception as e:     # huggingface_hub's Strict*ValidationError, KeyError, ValueError, TypeError, ...
+            text = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(f"{where}: transformers' LlamaConfig refuses it: {text}") from None
+        return lc
 
     # ---- config.json ------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -127,11 +162,6 @@ class Eagle3Config:
         if not isinstance(aux, list) or not all(_is_int(i) and i >= 0 for i in aux) or not aux:
             raise ConfigError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids={aux!r} is not a list of "
                               "non-negative integers")
-        rope_params = read.dict("rope_parameters") or {}
-        rope_theta = read.positive_number("rope_theta", None) or rope_params.get("rope_theta", 10000.0)
-        if not _is_number(rope_theta) or rope_theta <= 0:
-            raise ConfigError(f"{where}: rope_parameters.rope_theta={rope_theta!r} is not a positive number")
-        rope_scaling = _rope_scaling(read.dict("rope_scaling") or rope_params)
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_parameters",
             "use_aux_norm"}
@@ -146,21 +176,26 @@ class Eagle3Config:
         hidden_act = d.get("hidden_act", "silu")
         if not isinstance(hidden_act, str):
             raise ConfigError(f"{where}: hidden_act={hidden_act!r} is not a string")
-        return cls(
+        fields = dict(
             hidden_size=hidden, intermediate_size=read.positive_int("intermediate_size"),
             num_attention_heads=heads, num_key_value_heads=read.positive_int("num_key_value_heads", heads),
             vocab_size=vocab, draft_vocab_size=read.positive_int("draft_vocab_size", vocab),
             target_hidden_size=read.positive_int("target_hidden_size", hidden),
             aux_layer_ids=list(aux), head_dim=read.positive_int("head_dim", None),
             rms_norm_eps=read.positive_number("rms_norm_eps", 1e-6),   # LlamaConfig's default, as SGLang/vLLM read it
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=read.positive_int("max_position_embeddings", 8192),
+            **rope_settings(d, where), max_position_embeddings=read.positive_int("max_position_embeddings", 8192),
             hidden_act=hidden_act, torch_dtype=torch_dtype,
             bos_token_id=read.token_ids("bos_token_id"), eos_token_id=read.token_ids("eos_token_id", many=True),
             fc_norm=_flag(d, "fc_norm", where) or _flag(d, "use_aux_norm", where),
             norm_output=_flag(d, "norm_output", where),
             extra={k: v for k, v in d.items() if k not in known or k == "eagle_config"},
         )
+        try:
+            config = cls(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        config.llama_config(where)
+        return config
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -237,6 +272,17 @@ class _Fields:
         def ok(v):
             return (_is_int(v) and v >= 0) or (many and isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v))
         return self._read(key, None, ok, "a token id" + (" or a list of them" if many else ""))
+
+
+def rope_settings(d: dict, where: str) -> dict:
+    """rope_theta and rope_scaling of a config dict, from either spelling (transformers 5 folds them into
+    rope_parameters); a value of the wrong type is a ConfigError naming the file and key."""
+    read = _Fields(d, where)
+    rope_params = read.dict("rope_parameters") or {}
+    rope_theta = read.positive_number("rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+    if not _is_number(rope_theta) or rope_theta <= 0:
+        raise ConfigError(f"{where}: rope_parameters.rope_theta={rope_theta!r} is not a positive number")
+    return {"rope_theta": rope_theta, "rope_scaling": _rope_scaling(read.dict("rope_scaling") or rope_params)}
 
 
 def _is_int(x) -> bool:

@@ -178,13 +178,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
-        from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-        rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
-        lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                         rope_parameters=rope)
+        rope = cfg.rope_parameters()
+        lc = cfg.llama_config()           # transformers' checks, as a ConfigError
         if rope["rope_type"] == "default":
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
             self.attention_scaling = 1.0
@@ -228,8 +224,8 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed_tokens: Optional[nn.Embedding] = None   # the target's, set by set_embedding; not saved
         self._fused_fc = self._fused_lm_head = None         # prepare_inference
-        if config.draft_vocab_size == config.vocab_size:
-            self.set_vocab_mapping(torch.arange(config.vocab_size))
+        if config.draft_vocab_size == config.vocab_size:     # the identity map: d2t stays 0, every t2d is set
+            self.t2d.fill_(True)
 
     # ---- vocabulary ---------------------------------------------------------------------
     def set_vocab_mapping(self, draft_to_target: torch.Tensor) -> None:
@@ -325,6 +321,21 @@ class Eagle3DraftModel(nn.Module):
 
     def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
         draft_checkpoint.save_draft(self, directory, dtype)
+
+    @classmethod
+    def on_meta(cls, config: Eagle3Config) -> "Eagle3DraftModel":
+        """A draft of this config whose tensors have shapes but no data (checks and size estimates, nothing
+        allocated)."""
+        with torch.device("meta"):
+            return cls(config)
+
+    @classmethod
+    def check_files(cls, directory: str, flag: str = "") -> Eagle3Config:
+        """What from_pretrained would refuse, read from config.json and the safetensors headers alone (no weights
+        load): returns the config."""
+        config = Eagle3Config.load(directory, flag)
+        draft_checkpoint.check_draft_headers(directory, cls.on_meta(config).expected_shapes())
+        return config
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None,

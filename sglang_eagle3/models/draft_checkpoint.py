@@ -4,6 +4,7 @@ save_pretrained / from_pretrained / check_runtime / check_target call these.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -78,30 +79,65 @@ def check_target(model, target_config, aux_layer_ids: Optional[list[int]] = None
 def load_draft_state(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Read model.safetensors (or sharded *.safetensors) and check names and shapes against `expected`."""
     from safetensors.torch import load_file
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors file")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        path = os.path.join(directory, f)
-        try:
+    for path in draft_files(directory):
+        with unreadable_as_checkpoint_error(path):
             state.update(load_file(path))
-        except Exception as e:  # safetensors raises several types for a damaged header
-            raise CheckpointError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    state.pop("embed_tokens.weight", None)   # some exports carry the (frozen) target embedding
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    if missing or extra:
-        raise CheckpointError(f"{directory}: " + "; ".join(
-            ([f"missing tensor {k} (expected shape {list(expected[k])})" for k in missing] +
-             [f"unexpected tensor {k} (shape {list(state[k].shape)})" for k in extra])))
-    for k, shape in expected.items():
-        if tuple(state[k].shape) != shape:
-            raise CheckpointError(f"{directory}: tensor {k} has shape {list(state[k].shape)}, "
-                                  f"config.json implies {list(shape)}")
-    if state["d2t"].dtype not in (torch.int64, torch.int32):
-        raise CheckpointError(f"{directory}: tensor d2t has dtype {state['d2t'].dtype}, expected int64")
+    state = own_tensors(state)
+    check_tensors(directory, {k: tuple(v.shape) for k, v in state.items()}, expected, str(state["d2t"].dtype)
+                  if "d2t" in state else None)
     state["d2t"] = state["d2t"].long()
     state["t2d"] = state["t2d"].bool()
     return state
+
+
+def check_draft_headers(directory: str, expected: dict[str, tuple]) -> None:
+    """What load_draft_state refuses, read from the safetensors headers alone (no tensor data is loaded): a file
+    that is unreadable or shorter than its header says (truncated), missing or unexpected tensors, wrong shapes."""
+    from safetensors import safe_open
+    shapes, dtypes = {}, {}
+    for path in draft_files(directory):
+        with unreadable_as_checkpoint_error(path), safe_open(path, "pt") as f:
+            for k in f.keys():
+                part = f.get_slice(k)
+                shapes[k], dtypes[k] = tuple(part.get_shape()), part.get_dtype()
+    check_tensors(directory, own_tensors(shapes), expected, own_tensors(dtypes).get("d2t"))
+
+
+def draft_files(directory: str) -> list[str]:
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors file")
+    return [os.path.join(directory, f) for f in files]
+
+
+@contextlib.contextmanager
+def unreadable_as_checkpoint_error(path: str):
+    try:
+        yield
+    except Exception as e:  # safetensors raises several types for a damaged header
+        raise CheckpointError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def own_tensors(state: dict) -> dict:
+    """A checkpoint's entries under the draft's own names: some exports prefix them with "model." or carry the
+    (frozen) target embedding."""
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)
+    return state
+
+
+def check_tensors(directory: str, shapes: dict[str, tuple], expected: dict[str, tuple], d2t_dtype) -> None:
+    """The tensors' names and shapes against `expected`, and an integer d2t (d2t_dtype: torch's or the header's)."""
+    missing = [k for k in expected if k not in shapes]
+    extra = [k for k in shapes if k not in expected]
+    if missing or extra:
+        raise CheckpointError(f"{directory}: " + "; ".join(
+            ([f"missing tensor {k} (expected shape {list(expected[k])})" for k in missing] +
+             [f"unexpected tensor {k} (shape {list(shapes[k])})" for k in extra])))
+    for k, shape in expected.items():
+        if shapes[k] != shape:
+            raise CheckpointError(f"{directory}: tensor {k} has shape {list(shapes[k])}, "
+                                  f"config.json implies {list(shape)}")
+    if d2t_dtype not in ("torch.int64", "torch.int32", "I64", "I32"):
+        raise CheckpointError(f"{directory}: tensor d2t has dtype {d2t_dtype}, expected int64")

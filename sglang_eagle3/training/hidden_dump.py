@@ -108,9 +108,12 @@ def human_bytes(n: float) -> str:
 
 def disk_estimate(num_tokens: int, hidden_size: int, num_aux: int, dtype: torch.dtype, out_dir: str) -> tuple[int, int]:
     """(estimated bytes of the whole dump, free bytes where it goes)."""
-    need = num_tokens * bytes_per_token(hidden_size, num_aux, dtype)
-    probe = out_dir if os.path.exists(out_dir) else existing_ancestor(out_dir)
-    return need, shutil.disk_usage(probe).free
+    return num_tokens * bytes_per_token(hidden_size, num_aux, dtype), free_bytes(out_dir)
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the file system where path is (or would be made)."""
+    return shutil.disk_usage(path if os.path.exists(path) else existing_ancestor(path)).free
 
 
 # ---- writing ---------------------------------------------------------------------------------

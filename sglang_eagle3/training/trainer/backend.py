@@ -154,6 +154,17 @@ def load_ds_config(path: Optional[str], zero_stage: int, micro_batch_size: int, 
     return cfg
 
 
+def run_ds_config(cfg, bf16: bool) -> dict:
+    """The DeepSpeed config a run trains with: --deepspeed-config's ZeRO settings (ZeRO-2 without a file),
+    --zero-stage over them, and the run's batch, clipping and precision."""
+    stage = cfg.zero_stage if cfg.zero_stage is not None else (None if cfg.deepspeed_config else 2)
+    return load_ds_config(cfg.deepspeed_config, stage, cfg.micro_batch_size, cfg.grad_accum, cfg.grad_clip, bf16)
+
+
+def zero_stage_of(ds_config: dict) -> int:
+    return int(ds_config["zero_optimization"].get("stage", 0))
+
+
 def autocast(module, dtype: Optional[torch.dtype]):
     """bf16 compute over fp32 weights (or nothing)."""
     if dtype is None:
@@ -169,7 +180,7 @@ class DeepSpeedBackend:
         self.autocast_dtype = autocast_dtype
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        self.zero_stage = int(ds_config["zero_optimization"].get("stage", 0))
+        self.zero_stage = zero_stage_of(ds_config)
         self.module = self.engine.module
 
     def train_micro(self, batch: dict, boundary: bool):

@@ -100,6 +100,9 @@ def run_dump(args) -> int:
 
 
 # ---- training ----------------------------------------------------------------------------------
+RESUMABLE = " (may change on --resume)"     # cadence and runtime flags; the others are the checkpoint's (run_folder)
+
+
 def add_train_args(p) -> None:
     g = p.add_argument_group("data and model")
     g.add_argument("--target", required=True, help="target HF folder: its embedding and lm_head (frozen) are used; "
@@ -108,7 +111,8 @@ def add_train_args(p) -> None:
                    "or .jsonl of {input_ids, loss_mask} (online: the target computes features on the fly)")
     g.add_argument("--out", required=True, help="output dir: checkpoints/, metrics.jsonl, tensorboard/, draft/")
     g.add_argument("--eval-data", default=None, help="held-out data of the same kind (default: --eval-rows of --data)")
-    g.add_argument("--eval-rows", type=int, default=64, help="rows of --data held out for eval (default 64)")
+    g.add_argument("--eval-rows", type=int, default=None,
+                   help="rows of --data held out for eval (default 64; not with --eval-data)")
     g.add_argument("--draft-vocab", default=None, help="draft_vocab.safetensors from `eagle3 build-vocab`")
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="build a draft vocab of this size from the training rows (default: the full target vocab)")
@@ -137,7 +141,8 @@ def add_train_args(p) -> None:
                         "exactly the chains the engine drafts; 0 is the EAGLE-3 authors' and SpecForge's convention")
     g.add_argument("--grow-chains", choices=["auto", "scored", "all"], default="auto",
                    help="steps >= 1 grow only the chains a later step scores (scored) or every chain (all); the "
-                        "same loss and gradients, different speed. auto (default): all on CPUs with AMX, else scored")
+                        "same loss and gradients, different speed. auto (default): all on CPUs with AMX, else scored" +
+                        RESUMABLE)
     g.add_argument("--max-length", type=int, default=2048, help="tokens per row (longer rows are truncated)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--micro-batch-size", type=int, default=1, help="rows per rank per forward")
@@ -146,7 +151,7 @@ def add_train_args(p) -> None:
                    help="put a micro-batch's rows end to end in one sequence instead of padding them: attention and "
                         "draft chains stay inside each row and each row's loss is averaged over its own positions, so "
                         "--micro-batch-size R --pack-rows trains exactly like --grad-accum R, with R-times larger "
-                        "matrix products (faster on CPU)")
+                        "matrix products (faster on CPU); a resume may switch between the two")
     g.add_argument("--epochs", type=float, default=1.0)
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--lr", type=float, default=5e-5)
@@ -166,23 +171,29 @@ def add_train_args(p) -> None:
                    help="ZeRO stage (overrides the config file; default 2)")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="compute dtype; bfloat16 = autocast over fp32 master weights. auto: bfloat16 on GPUs and on "
-                        "CPUs with AVX-512 BF16 or AMX, else float32")
-    g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu")
-    g.add_argument("--eval-every", type=int, default=500)
-    g.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--log-every", type=int, default=10)
-    g.add_argument("--keep-checkpoints", type=int, default=2)
+                        "CPUs with AVX-512 BF16 or AMX, else float32" + RESUMABLE)
+    g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu" + RESUMABLE)
+    g.add_argument("--eval-every", type=int, default=500, help="evaluate every N steps" + RESUMABLE)
+    g.add_argument("--save-every", type=int, default=500,
+                   help="checkpoint every N steps and at the end (0: only at the end)" + RESUMABLE)
+    g.add_argument("--log-every", type=int, default=10, help="log the training metrics every N steps" + RESUMABLE)
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept" + RESUMABLE)
     g.add_argument("--keep-every", type=int, default=0, help="also keep every checkpoint at a multiple of this step "
-                   "(for learning curves: bench/learning_curve.py)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
+                   "(for learning curves: bench/learning_curve.py)" + RESUMABLE)
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present; every "
+                   "flag that sets the data order, loss, draft or schedule must be the checkpoint's (a changed one is "
+                   "refused, naming it); only those marked 'may change on --resume' may differ")
+    g.add_argument("--no-disk-check", action="store_true",
+                   help="start even if --out lacks room for the checkpoints the run keeps and its draft")
     g.add_argument("--overwrite", action="store_true", help="OUT holds an earlier run: delete its checkpoints, "
                    "metrics and draft and start again")
     g.add_argument("--check-only", action="store_true", help="check every input as the run will (target, data rows and "
-                   "the held-out split for $WORLD_SIZE ranks, draft vocabulary, --init-from, run folder, resume) and "
-                   "exit: what `make train` runs before launching workers")
-    g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256")
-    g.add_argument("--no-tensorboard", action="store_true")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+                   "the held-out split for $WORLD_SIZE ranks, draft vocabulary, --init-from, run folder, resume, free "
+                   "space) and exit: what `make train` runs before launching workers")
+    g.add_argument("--verify-dumps", choices=["sha256", "size", "none"], default="sha256", help="how a dump's shards "
+                   "are checked when the run opens them" + RESUMABLE)
+    g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs" + RESUMABLE)
+    g.add_argument("--quiet", action="store_true", help="no progress bar" + RESUMABLE)
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
 
 
@@ -198,14 +209,16 @@ def train_config(args):
               ("--target-temperature", args.target_temperature, args.target_temperature >= 0, ">= 0"),
               ("--grad-clip", args.grad_clip, args.grad_clip > 0, "> 0"),
               ("--epochs", args.epochs, args.epochs > 0, "> 0"),
-              ("--eval-rows", args.eval_rows, args.eval_rows >= 0, ">= 0"),
+              ("--eval-rows", args.eval_rows, args.eval_rows is None or args.eval_rows >= 0, ">= 0"),
               ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1, ">= 1"),
               ("--data-start-step", args.data_start_step, args.data_start_step >= 0, ">= 0")]
     for flag, value, ok, rule in checks:
         if not ok:
             raise UserError(f"{flag} must be {rule}, got {value}")
+    check_train_flags_agree(args)
     return TrainConfig(
-        target=args.target, data=args.data, out=args.out, eval_data=args.eval_data, eval_rows=args.eval_rows,
+        target=args.target, data=args.data, out=args.out, eval_data=args.eval_data,
+        eval_rows=64 if args.eval_rows is None else args.eval_rows,
         draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size, draft_config=args.draft_config,
         aux_layer_ids=parse_layer_ids(args.aux_layer_ids), features=args.features, init_from=args.init_from,
         fc_norm=args.fc_norm, norm_output=args.norm_output, loss_mask_offset=args.loss_mask_offset,
@@ -222,7 +235,22 @@ def train_config(args):
         log_every=args.log_every, keep_checkpoints=args.keep_checkpoints, keep_every=args.keep_every,
         resume=args.resume, seed=args.seed,
         data_start_step=args.data_start_step,
-        verify_dumps=args.verify_dumps, tensorboard=not args.no_tensorboard, progress=not args.quiet)
+        verify_dumps=args.verify_dumps, check_disk=not args.no_disk_check, tensorboard=not args.no_tensorboard,
+        progress=not args.quiet)
+
+
+def check_train_flags_agree(args) -> None:
+    """Two flags one of which the run would silently ignore: refused, naming both."""
+    if args.eval_data and args.eval_rows is not None:
+        raise UserError(f"--eval-rows {args.eval_rows} holds rows of --data out for eval, but --eval-data "
+                        f"{args.eval_data} is the eval set: give one of them")
+    if args.keep_every and (not args.save_every or args.keep_every % args.save_every):
+        raise UserError(f"--keep-every {args.keep_every} keeps the checkpoints at its multiples, but --save-every "
+                        f"{args.save_every} writes {'only the last one' if not args.save_every else 'none at some'}: "
+                        "give a multiple of --save-every")
+    if args.init_from and args.head_init == "target":
+        raise UserError(f"--head-init target starts a new draft's output head from the target's, but --init-from "
+                        f"{args.init_from} starts from that draft's trained weights: give one of them")
 
 
 def run_train(args) -> int:

@@ -32,18 +32,18 @@ def init_head_from_target(draft: Eagle3DraftModel, lm_head: nn.Module, d2t_ids: 
             draft.norm.weight.copy_(norm.float())
 
 
-def check_init_compatible(init: Eagle3DraftModel, dc: Eagle3Config, path: str, new_vocab: bool = False) -> None:
-    """--init-from must be a draft of the same shape, layers, variant and vocabulary as the one trained (the
+def check_init_compatible(init: Eagle3Config, dc: Eagle3Config, path: str, new_vocab: bool = False) -> None:
+    """--init-from's config must be a draft of the same shape, layers, variant and vocabulary as the one trained (the
     vocabulary may differ where a new one was asked for: its output rows are then remapped)."""
-    a, b = init.config.to_dict(), dc.to_dict()
+    a, b = init.to_dict(), dc.to_dict()
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "vocab_size", "target_hidden_size") + (() if new_vocab else ("draft_vocab_size",))
     diff = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
-    if init.config.aux_layer_ids != dc.aux_layer_ids:
-        diff.append(f"aux layers: {init.config.aux_layer_ids} vs {dc.aux_layer_ids}")
+    if init.aux_layer_ids != dc.aux_layer_ids:
+        diff.append(f"aux layers: {init.aux_layer_ids} vs {dc.aux_layer_ids}")
     for flag in ("fc_norm", "norm_output"):
-        if getattr(init.config, flag) != getattr(dc, flag):
-            diff.append(f"{flag}: {getattr(init.config, flag)} vs {getattr(dc, flag)} (pass --{flag.replace('_', '-')} "
+        if getattr(init, flag) != getattr(dc, flag):
+            diff.append(f"{flag}: {getattr(init, flag)} vs {getattr(dc, flag)} (pass --{flag.replace('_', '-')} "
                         "to match)")
     if diff:
         raise ConfigError(f"--init-from {path} does not match the draft being trained: " + "; ".join(diff))
@@ -110,32 +110,44 @@ def load_init(draft: Eagle3DraftModel, init: Eagle3DraftModel, lm_head: nn.Modul
                           init.state_dict())
 
 
+def run_draft_config(cfg, hf_config, aux_ids: list[int], draft_vocab_size: int) -> Eagle3Config:
+    """The config of the draft a run trains: --draft-config's shape (with the run's vocabulary size and aux layers)
+    or one layer shaped like the target, and the run's EAGLE-3.1 flags. The run and `train --check-only` both build
+    it through here."""
+    if cfg.features == "top":                  # one feature: the last hidden state (after the final norm)
+        aux_ids = [getattr(hf_config, "text_config", hf_config).num_hidden_layers - 1]
+    if cfg.draft_config:
+        path = os.path.join(cfg.draft_config, "config.json") if os.path.isdir(cfg.draft_config) else cfg.draft_config
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--draft-config {path}: not a readable JSON file ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"--draft-config {path}: expected a JSON object, got {type(d).__name__}")
+        dc = Eagle3Config.from_dict({**d, "draft_vocab_size": draft_vocab_size, "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}, where=path)
+    else:
+        dc = Eagle3Config.for_target(hf_config, draft_vocab_size, aux_ids)
+    dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
+    return dc
+
+
 def build_draft(cfg, hf_config, aux_ids: list[int], embed: nn.Module, lm_head: nn.Module, data, train_idx,
                 rank: int, target=None) -> Eagle3DraftModel:
     """The draft a run starts from (fp32, on the CPU): its config (for the target, or --draft-config's shape, with
     the run's EAGLE-3.1 flags), its vocabulary, then its weights: seeded random, --head-init target, or
     --init-from's; the target's embedding attached (frozen)."""
     tc = getattr(hf_config, "text_config", hf_config)
-    if cfg.features == "top":                  # one feature: the last hidden state (after the final norm)
-        aux_ids = [tc.num_hidden_layers - 1]
     init = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32) if cfg.init_from else None
     new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)   # --init-from + a vocab
     if init is None or new_vocab:
         d2t_ids = draft_vocab_ids(cfg, data, train_idx, tc.vocab_size, rank)
     else:
         d2t_ids = init.draft_to_target(torch.arange(init.config.draft_vocab_size))
-    if cfg.draft_config:
-        path = cfg.draft_config
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            dc = Eagle3Config.from_dict({**json.load(f), "draft_vocab_size": len(d2t_ids), "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}, where=path)
-    else:
-        dc = Eagle3Config.for_target(hf_config, len(d2t_ids), aux_ids)
-    dc.fc_norm, dc.norm_output = cfg.fc_norm, cfg.norm_output
+    dc = run_draft_config(cfg, hf_config, aux_ids, len(d2t_ids))
     if init is not None:
-        check_init_compatible(init, dc, cfg.init_from, new_vocab)
+        check_init_compatible(init.config, dc, cfg.init_from, new_vocab)
     torch.manual_seed(cfg.seed)                # identical initial weights on every rank
     draft = Eagle3DraftModel(dc)
     draft.set_vocab_mapping(d2t_ids)

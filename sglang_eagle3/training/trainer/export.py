@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from sglang_eagle3.errors import debug_enabled, report, user_errors
 from sglang_eagle3.models.config import Eagle3Config
 from sglang_eagle3.models.draft import CheckpointError, Eagle3DraftModel
 from sglang_eagle3.training.trainer.run_folder import STATE_FILE
@@ -31,6 +32,8 @@ def checkpoint_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(ckpt_dir: str, out: str) -> dict:
     """Write the checkpoint's draft as a SGLang-layout folder (bf16); returns the checkpoint's trainer state."""
+    if not os.path.isfile(os.path.join(ckpt_dir, STATE_FILE)):
+        raise CheckpointError(f"{ckpt_dir}: not a training checkpoint (no {STATE_FILE}; RUN/checkpoints/step_N is)")
     with open(os.path.join(ckpt_dir, STATE_FILE)) as f:
         state = json.load(f)
     draft = Eagle3DraftModel(Eagle3Config.from_dict(state["draft_config"], where=os.path.join(ckpt_dir, STATE_FILE)))
@@ -44,7 +47,12 @@ def main(argv=None) -> int:
     if len(args) != 2:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    st = export_checkpoint(*args)
+    try:
+        st = export_checkpoint(*args)
+    except user_errors() as e:
+        if debug_enabled():
+            raise
+        return report("export", e)
     print(f"{args[1]} (step {st['step']}, {st.get('tokens_seen', 0):,} training tokens)")
     return 0
 

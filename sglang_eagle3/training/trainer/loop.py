@@ -72,10 +72,8 @@ class Trainer:
         self.ckpt_dir = os.path.join(cfg.out, "checkpoints")
         check_run_folder(cfg)                       # every rank refuses alike (nothing is deleted before a barrier)
         B.barrier()
-        if self.rank == 0:
-            if cfg.overwrite:
-                clear_run_folder(cfg.out)
-            os.makedirs(self.ckpt_dir, exist_ok=True)
+        if self.rank == 0 and cfg.overwrite:
+            clear_run_folder(cfg.out)               # checkpoints/ is made by the first checkpoint written
         B.barrier()
         self._setup_data()
         self._setup_model()
@@ -124,9 +122,7 @@ class Trainer:
         if self.backend_name == "deepspeed":
             # GPU: DeepSpeed's own bf16 (bf16 weights, fp32 master copy); CPU: fp32 engine under torch autocast
             ds_bf16 = bf16 and self.device.type == "cuda"
-            ds_cfg = B.load_ds_config(cfg.deepspeed_config, cfg.zero_stage if cfg.zero_stage is not None else
-                                      (None if cfg.deepspeed_config else 2), cfg.micro_batch_size, cfg.grad_accum,
-                                      cfg.grad_clip, ds_bf16)
+            ds_cfg = B.run_ds_config(cfg, ds_bf16)
             self.backend = B.DeepSpeedBackend(self.module, optimizer, scheduler, ds_cfg,
                                               torch.bfloat16 if bf16 and not ds_bf16 else None)
             self.zero_stage = self.backend.zero_stage
@@ -190,9 +186,8 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _state(self, step: int) -> dict:
         c = self.cfg
-        return {"step": step, **run_state(c, self.total_steps, self.world, self.backend_name),
-                "zero_stage": self.zero_stage, "draft_config": self.draft_config.to_dict(),
-                "tokens_seen": self.tokens_seen, "init_from": os.path.abspath(c.init_from) if c.init_from else None}
+        return {"step": step, **run_state(c, self.total_steps, self.world, self.backend_name, self.zero_stage),
+                "draft_config": self.draft_config.to_dict(), "tokens_seen": self.tokens_seen}
 
     def save_checkpoint(self, step: int) -> str:
         return write_checkpoint(self.ckpt_dir, step, self.backend.save, self._state(step),
@@ -282,7 +277,7 @@ class Trainer:
                 win_steps, win_time = 0, 0.0
             if len(self.eval_idx) and (done % cfg.eval_every == 0 or done == self.total_steps):
                 last_eval = self._log_eval(done, logger, bar)
-            if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
+            if done == self.total_steps or (cfg.save_every and done % cfg.save_every == 0):
                 self.save_checkpoint(done)
             bar.update(1)
         bar.close()

@@ -4,22 +4,29 @@ mistake is one line naming the flag instead of a worker's traceback after the De
 
 The checks are the run's own functions (plan_rows, check_dump_fits, given_draft_vocab, check_resumable, ...), called
 on what is cheap to read: the data's rows and a dump's manifest and shard sizes (their sha256 is left to the run),
-the target's config.json, the draft vocabulary file, --init-from's config.json.
+the target's config.json, the draft vocabulary file, --init-from's config.json and safetensors headers, the free
+space under --out.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from sglang_eagle3.engine.settings import check_device
 from sglang_eagle3.errors import UserError
 from sglang_eagle3.fileio import check_apart
-from sglang_eagle3.models.config import ConfigError, Eagle3Config
+from sglang_eagle3.models.config import ConfigError, default_aux_layer_ids
+from sglang_eagle3.models.draft import Eagle3DraftModel
 from sglang_eagle3.training.dump_reader import MANIFEST
 from sglang_eagle3.training.trainer import backend as B
 from sglang_eagle3.training.trainer.data import check_dump_fits, plan_rows
-from sglang_eagle3.training.trainer.draft_init import given_draft_vocab
-from sglang_eagle3.training.trainer.run_folder import check_resumable, check_run_folder, latest_checkpoint, run_state
+from sglang_eagle3.training.trainer.draft_init import check_init_compatible, given_draft_vocab, run_draft_config
+from sglang_eagle3.training.trainer.run_folder import (
+    check_checkpoint_space,
+    check_resumable,
+    check_run_folder,
+    latest_checkpoint,
+    run_state,
+)
 
 
 def check_paths(cfg) -> None:
@@ -49,24 +56,25 @@ def target_text_config(target: str):
     return getattr(cfg, "text_config", cfg)
 
 
-def check_draft_inputs(cfg, tc) -> None:
-    """The draft vocabulary, --init-from and --draft-config against the target."""
-    given_draft_vocab(cfg, tc.vocab_size)
-    if cfg.init_from:
-        init = Eagle3Config.load(cfg.init_from, "--init-from")
-        if (init.vocab_size, init.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
-            raise ConfigError(f"--init-from {cfg.init_from} is a draft for a target with vocabulary "
-                              f"{init.vocab_size} and hidden size {init.target_hidden_size}; --target {cfg.target} "
-                              f"has {tc.vocab_size} and {tc.hidden_size}")
-    if cfg.draft_config:
-        path = os.path.join(cfg.draft_config, "config.json") if os.path.isdir(cfg.draft_config) else cfg.draft_config
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--draft-config {path}: not a readable JSON file ({e})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"--draft-config {path}: expected a JSON object, got {type(d).__name__}")
+def check_draft_inputs(cfg, tc, aux_ids: list[int]) -> Eagle3DraftModel:
+    """The draft vocabulary, --init-from (its config and safetensors headers) and --draft-config against the target;
+    returns the draft the run will train, on the meta device (its shapes, no weights)."""
+    ids = given_draft_vocab(cfg, tc.vocab_size)
+    init = Eagle3DraftModel.check_files(cfg.init_from, "--init-from") if cfg.init_from else None
+    if init and (init.vocab_size, init.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
+        raise ConfigError(f"--init-from {cfg.init_from} is a draft for a target with vocabulary "
+                          f"{init.vocab_size} and hidden size {init.target_hidden_size}; --target {cfg.target} "
+                          f"has {tc.vocab_size} and {tc.hidden_size}")
+    new_vocab = init is not None and bool(cfg.draft_vocab or cfg.draft_vocab_size)
+    vocab_size = len(ids) if ids is not None else init.draft_vocab_size if init and not new_vocab else \
+        cfg.draft_vocab_size or tc.vocab_size
+    dc = run_draft_config(cfg, tc, aux_ids, vocab_size)
+    if init:
+        check_init_compatible(init, dc, cfg.init_from, new_vocab)
+    draft = Eagle3DraftModel.on_meta(dc)
+    if cfg.features == "fused":
+        draft.check_target(tc, aux_ids)
+    return draft
 
 
 def check_aux_layers(aux_layer_ids, tc) -> None:
@@ -82,23 +90,36 @@ def check_aux_layers(aux_layer_ids, tc) -> None:
         raise ConfigError(f"--aux-layer-ids {aux_layer_ids} must be strictly increasing (SGLang's order)")
 
 
+def check_backend_flags(cfg, backend: str) -> None:
+    """The DeepSpeed flags need the DeepSpeed backend (PyTorch DDP would ignore them)."""
+    given = [f"{flag} {value}" for flag, value in (("--zero-stage", cfg.zero_stage),
+                                                   ("--deepspeed-config", cfg.deepspeed_config)) if value is not None]
+    if given and backend != "deepspeed":
+        raise ConfigError(f"{given[0]} is a DeepSpeed setting, but the run trains with PyTorch DDP ("
+                          f"{'--backend ddp' if cfg.backend == 'ddp' else '--backend auto: `import deepspeed` fails'})"
+                          ": pass --backend deepspeed, or drop it")
+
+
 def check_inputs(cfg, world_size: int) -> None:
-    """Every input of the run, as the run will check it, for `world_size` ranks."""
+    """Every input of the run, as the run will check it, for `world_size` ranks, and the room its checkpoints need."""
     check_paths(cfg)
     check_run_folder(cfg)
     B.pick_device(check_device(cfg.device))
     backend = B.backend_name(cfg.backend)
-    if backend == "deepspeed":
-        B.load_ds_config(cfg.deepspeed_config, cfg.zero_stage, cfg.micro_batch_size, cfg.grad_accum,
-                         cfg.grad_clip, False)
+    check_backend_flags(cfg, backend)
+    zero_stage = B.zero_stage_of(B.run_ds_config(cfg, False)) if backend == "deepspeed" else None
     tc = target_text_config(cfg.target)
     plan = plan_rows(cfg, world_size, 0, verify="size")
     if plan.mode == "offline":
         check_dump_fits(plan.data, tc, cfg)
+        aux_ids = plan.data.aux_layer_ids
     else:
         check_aux_layers(cfg.aux_layer_ids, tc)
-    check_draft_inputs(cfg, tc)
+        aux_ids = cfg.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)
+    draft = check_draft_inputs(cfg, tc, aux_ids)
     found = latest_checkpoint(os.path.join(cfg.out, "checkpoints")) if cfg.resume else None
     if found:
         path, state = found
-        check_resumable(path, state, run_state(cfg, plan.total_steps(cfg), world_size, backend), cfg.out)
+        check_resumable(path, state, run_state(cfg, plan.total_steps(cfg), world_size, backend, zero_stage), cfg.out)
+    if cfg.check_disk:
+        check_checkpoint_space(cfg, sum(t.numel() for t in draft.state_dict().values()), plan.total_steps(cfg))

@@ -54,6 +54,7 @@ class TrainConfig:
     seed: int = 0
     data_start_step: int = 0                 # read the data order from this step on (continue another run's data)
     verify_dumps: str = "sha256"
+    check_disk: bool = True                  # refuse to start without room for the checkpoints (run_folder)
     tensorboard: bool = True
     progress: bool = True
     extra: dict = field(default_factory=dict)
