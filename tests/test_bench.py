@@ -900,6 +900,41 @@ def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
             parse_drafters(bad)
 
 
+def test_acceptance_refuses_drafter_flags_it_would_ignore_before_any_work(env, tmp_path, capsys):
+    """--drafter / --tree in the plain benchmark (it measured EAGLE under a "(from no draft)" banner), --drafter,
+    --tree or --baseline-draft beside --drafters (the columns name the drafters), an empty --drafters (it ran the
+    plain benchmark), a column that needs a draft under --draft none (it said no draft was shipped) and a
+    --choose-into that cannot be written (found after the whole run) or given without --drafters: one line each,
+    before any model loads or any output is written."""
+    out = tmp_path / "a.json"
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"per_batch_size": {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}}))
+    cases = [(["--drafter", "suffix"], "--drafter suffix"), (["--tree", "auto"], "--tree auto"),
+             (["--drafters", "eagle", "--drafter", "suffix"], "--drafter suffix"),
+             (["--drafters", "eagle-auto", "--tree", "profile"], "--tree profile"),
+             (["--drafters", "eagle", "--baseline-draft", env["draft"]], "--baseline-draft"),
+             (["--drafters", ""], "--drafters ''"),
+             (["--drafters", "suffix,hybrid", "--draft", "none"], "--drafters suffix,hybrid: hybrid"),
+             (["--draft", "none"], "--draft none"),
+             (["--drafters", "eagle", "--choose-into", str(tmp_path / "missing" / "p.json")], "--choose-into"),
+             (["--choose-into", str(profile)], "--choose-into"),
+             (["--threads", "-1"], "--threads must be >= 1, got -1"),                  # it was a traceback
+             (["--datasets", "mt_bench_turn2"], "--datasets mt_bench_turn2: built from mt_bench by bench_acceptance "
+              "--drafters only")]                                    # it ran MT-bench's first turns under that name
+    for extra, said in cases:
+        assert acceptance(env, out, "--datasets", "gsm8k", *extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "no shipped draft" not in err, (extra, err)
+    assert not out.exists() and not (tmp_path / "missing").exists()
+    # the context drafter alone needs no draft: --draft none runs it (the tree flags shape no column there)
+    assert acceptance(env, out, "--datasets", "gsm8k", "--drafters", "suffix", "--draft", "none") == 0
+    res = json.loads(out.read_text())
+    assert res["columns"] == ["suffix"] and res["sets"]["gsm8k"]["suffix"]["identical_to_vanilla"] == 2
+    assert tune_main(["--target", env["target"], "--draft", env["draft"], "--dataset", "code_edit", "--out",
+                      str(tmp_path / "t.json")]) == 2                        # the other benchmarks: the same refusal
+    assert "--datasets code_edit: built from humaneval" in capsys.readouterr().err
+
+
 def test_shipped_draft_files_hold_no_machine_paths():
     """The draft folder ships to users: its JSON files record what was run, not where (no /work, /root, /home or
     /tmp paths: tune_spec and learning_curve write repository-relative, ~/ or bare names)."""

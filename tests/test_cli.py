@@ -595,3 +595,149 @@ def test_flags_that_would_be_ignored_or_misread_are_refused(folders, tmp_path, c
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, (argv, err)
     assert not (tmp_path / "d").exists()
+
+
+# ---- drafting modes: contradictions, unused names, profiles of other targets ------------------------------
+def test_drafter_flags_that_contradict_or_go_unused_are_refused(folders, tmp_path, capsys):
+    """Tree flags under --drafter suffix (no draft model: nothing they shape), a drafter or --tree auto that needs a
+    draft under --draft none, and a --draft or --profile that --drafter suffix would never read: one line each, naming
+    the flag, before any model loads (they were ignored or rewritten without a word)."""
+    import shutil
+    target, draft, _ = folders
+    truncated = tmp_path / "truncated"
+    shutil.copytree(draft, truncated)
+    w = truncated / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    gen = ["generate", "--target", target, "--prompt", "w1", "--max-new-tokens", "2"]
+    cases = [([*gen, "--drafter", "suffix", "--num-steps", "3"], "--num-steps shapes the draft model's tree, but "
+              "--drafter suffix"),
+             ([*gen, "--drafter", "suffix", "--topk", "2"], "--topk shapes the draft model's tree"),
+             ([*gen, "--drafter", "suffix", "--num-draft-tokens", "4"], "--num-draft-tokens"),
+             ([*gen, "--drafter", "hybrid", "--draft", "none"], "--drafter hybrid"),
+             ([*gen, "--drafter", "eagle", "--draft", "none"], "--drafter eagle"),
+             ([*gen, "--drafter", "eagle"], "--drafter eagle"),               # a target without a shipped draft
+             ([*gen, "--tree", "auto", "--draft", "none"], "--tree auto"),
+             ([*gen, "--drafter", "suffix", "--draft", str(tmp_path / "nonexistent")], f"--draft {tmp_path}"),
+             ([*gen, "--drafter", "suffix", "--draft", str(truncated)], f"--draft {truncated}"),
+             ([*gen, "--drafter", "suffix", "--profile", str(tmp_path / "nonexistent.json")], "--profile")]
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)
+    # what each of them may say instead runs
+    for argv in ([*gen, "--drafter", "suffix", "--draft", "none", "--json"], [*gen, "--drafter", "suffix", "--tree",
+                                                                               "auto", "--json"]):
+        assert main(argv) == 0, capsys.readouterr().err
+        out = json.loads(capsys.readouterr().out)
+        assert out["drafting"]["drafter"] == "suffix" and out["draft"] == "none"
+
+
+def test_tree_auto_reports_the_most_a_step_verifies(folders, tmp_path, capsys, monkeypatch):
+    """--tree auto sizes each step's tree: an explicit --num-draft-tokens is the most a step verifies (it was
+    reported in the JSON while the steps verified up to the shape's full size), and without one the JSON reports the
+    size the steps may reach."""
+    import shutil
+
+    from sglang_eagle3.engine import scheduler
+    from sglang_eagle3.engine.cost_model import StepCosts
+    from sglang_eagle3.engine.loader import engine_from_settings
+    from sglang_eagle3.engine.settings import resolve_settings
+    monkeypatch.setattr(scheduler, "load_or_measure_costs", lambda *a, **k: StepCosts({1: {1: 0.01, 16: 0.02}}, {}))
+    target, draft, _ = folders
+    flags = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}
+    out = run_json(capsys, "--target", target, "--draft", draft, "--prompt", "w1 w2", "--max-new-tokens", "4",
+                   "--tree", "auto", *[f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
+    assert out["tree"]["num_draft_tokens"] == 4 and out["drafting"]["tree"] == "auto"
+    settings = resolve_settings(draft, dtype="float32", tree="auto", **flags)
+    sched = engine_from_settings(target, settings).scheduler(1, 64)
+    assert sched.spec_for(1).num_draft_tokens == 4 and sched.tree_slots == 4
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    (tuned / "spec_profile.json").write_text(json.dumps({"per_batch_size": {
+        "1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}}))
+    out = run_json(capsys, "--target", target, "--draft", str(tuned), "--prompt", "w1 w2", "--max-new-tokens", "4",
+                   "--tree", "auto")
+    settings = resolve_settings(str(tuned), dtype="float32", tree="auto")
+    sched = engine_from_settings(target, settings).scheduler(1, 64)
+    assert out["tree"]["num_draft_tokens"] == sched.spec_for(1).num_draft_tokens == 11     # 1 + 2 + 2 * 2 * 2
+
+
+def test_a_profile_recorded_for_another_target_is_refused(folders, tmp_path, capsys):
+    """A profile whose 'target' names another model (its trees were measured there): one line naming the profile
+    file, its target and this run's; a profile of this target (named as tune_spec records it) is used."""
+    import shutil
+    target, draft, _ = folders
+    other = tmp_path / "qwen.json"
+    other.write_text(json.dumps({"target": "Qwen/Qwen2.5-7B-Instruct", "draft": "qwen-eagle3",
+                                 "per_batch_size": {"1": {"num_steps": 6, "topk": 8, "num_draft_tokens": 48}}}))
+    tuned = tmp_path / "tuned"
+    shutil.copytree(draft, tuned)
+    shutil.copy(other, tuned / "spec_profile.json")
+    gen = ["generate", "--target", target, "--prompt", "w1", "--max-new-tokens", "2"]
+    for argv, path in (([*gen, "--draft", draft, "--profile", str(other)], other),
+                       ([*gen, "--draft", str(tuned)], tuned / "spec_profile.json")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err and "Qwen/Qwen2.5-7B-Instruct" in err and target in err, err
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"target": os.path.basename(target), "per_batch_size": {
+        "1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}))
+    t = run_json(capsys, *gen[1:], "--draft", draft, "--profile", str(mine))["tree"]
+    assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (2, 1, 3)
+
+
+BAD_DRAFTING = [({"drafter": "bogus"}, "drafter must be one of eagle, suffix, hybrid, got 'bogus'"),
+                ({"tree": None}, "tree must be one of profile, auto, got None"),
+                ({"max_nodes": 0}, "max_nodes must be an integer in 1..128, got 0"),
+                ({"max_nodes": "16"}, "max_nodes must be an integer in 1..128, got '16'"),
+                ({"max_nodes": 2.5}, "max_nodes must be an integer in 1..128, got 2.5"),
+                ({"max_nodes": 100000}, "max_nodes must be an integer in 1..128, got 100000"),
+                ({"max_nodes": True}, "max_nodes must be an integer in 1..128, got True"),
+                ({"context_tokens": 3.7}, "context_tokens must be an integer >= 1, got 3.7"),
+                ({"min_match": -1}, "min_match must be an integer >= 1, got -1")]
+
+
+@pytest.mark.parametrize("bad,said", BAD_DRAFTING, ids=[json.dumps(b) for b, _ in BAD_DRAFTING])
+def test_a_profiles_bad_drafting_entry_names_the_file_and_field(folders, tmp_path, capsys, bad, said):
+    """by_host.<kind>.drafting values are checked when the profile is read, named by file and field (they were
+    reported as flags the user never passed, crashed with a traceback, or were blamed on the prompt's length), also
+    in another host's entry and in the profile's own 'drafting'."""
+    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    from sglang_eagle3.models.config import ConfigError
+    target, draft, _ = folders
+    kind = host_kind()
+    path = tmp_path / "p.json"
+    table = {"1": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}
+    path.write_text(json.dumps({"per_batch_size": table, "by_host": {kind: {"drafting": {"drafter": "hybrid", **bad}}}}))
+    assert main(["generate", "--target", target, "--draft", draft, "--profile", str(path), "--prompt", "w1",
+                 "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: by_host.{kind}.drafting.{said}" in err, err
+    assert "--drafter" not in err and "--max-nodes" not in err and "--tree" not in err
+    for profile, where in (({"per_batch_size": table, "by_host": {"zen9": {"drafting": bad}}}, "by_host.zen9.drafting"),
+                           ({"per_batch_size": table, "drafting": bad}, "drafting")):
+        path.write_text(json.dumps(profile))
+        with pytest.raises(ConfigError) as e:
+            SpecProfile.load(str(path))
+        assert str(e.value) == f"{path}: {where}.{said}"
+
+
+def test_generate_banner_names_the_context_drafter(folders, capsys):
+    """Text output under --drafter suffix: the banner says the context drafts (it said 'none (vanilla)')."""
+    target, _, _ = folders
+    assert main(["generate", "--target", target, "--prompt", "w1 w2 w1 w2", "--max-new-tokens", "4", "--drafter",
+                 "suffix"]) == 0
+    banner = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "vanilla" not in banner and "drafter suffix" in banner, banner
+
+
+def test_demo_refuses_contradicting_flags_in_one_line(tmp_path, capsys):
+    """make demo shares generate's flags and resolver: a contradiction is one line, exit 2 (it ran vanilla
+    decoding, or printed a traceback), before any model loads."""
+    from sglang_eagle3.bench import demo
+    for argv, said in ((["--tree", "auto", "--draft", "none"], "--tree auto"),
+                       (["--num-steps", "0"], "--num-steps must be >= 1, got 0"),
+                       (["--drafter", "suffix", "--topk", "2"], "--topk shapes the draft model's tree")):
+        assert demo.main(["--data", str(tmp_path), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)

@@ -291,3 +291,50 @@ def test_the_builtin_server_listens_on_the_socket_it_checked(folders, monkeypatc
         servers[0].should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+# ---- flags one engine or drafter would ignore --------------------------------------------------------------
+def test_flags_the_chosen_engine_or_drafter_would_ignore_are_refused(capsys, folders):
+    """Tree flags under --drafter suffix, --pool-tokens without a context drafter or with SGLang, SGLang's flags with
+    the builtin engine and the builtin engine's with SGLang: one line naming the flag (they were ignored)."""
+    builtin = ["--engine", "builtin", "--target", folders["target"], "--dry-run"]
+    sglang = [*base(folders), "--dry-run"]
+    cases = [([*builtin, "--drafter", "suffix", "--num-steps", "3"], "--num-steps shapes the draft model's tree"),
+             ([*builtin, "--drafter", "suffix", "--topk", "2"], "--topk shapes the draft model's tree"),
+             ([*builtin, "--draft", folders["draft"], "--drafter", "eagle", "--pool-tokens", "5"],
+              "--pool-tokens 5 applies to the context drafters"),
+             ([*builtin, "--draft", "none", "--pool-tokens", "5"], "--pool-tokens 5"),
+             ([*sglang, "--pool-tokens", "5"], "--pool-tokens 5"),
+             ([*builtin, "--draft", folders["draft"], "--topk", "1", "--adaptive"], "--adaptive"),
+             ([*builtin, "--draft", folders["draft"], "--attention-backend", "fa3"], "--attention-backend"),
+             ([*builtin, "--draft", folders["draft"], "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs"),
+             ([*sglang, "--max-queue", "8"], "--max-queue"),
+             ([*sglang, "--max-len", "256"], "--max-len"),
+             ([*sglang, "--compile", "off"], "--compile")]
+    for argv, said in cases:
+        err = run_err(capsys, *argv)
+        assert err.count("\n") == 1 and said in err, (argv, err)
+    cmd = dry_run(capsys, *base(folders, "--dtype", "float16"))
+    assert cmd[cmd.index("--dtype") + 1] == "float16"          # SGLang's own flag: passed on (it was dropped)
+
+
+def test_the_sglang_launch_resolves_the_settings_for_a_gpu(capsys, folders, monkeypatch, tmp_path):
+    """serve on a CUDA host with SGLang (--engine auto picks it): the draft's profile gives its table for GPUs, not
+    the one for this CPU (the settings were resolved for a CPU)."""
+    import shutil
+
+    from sglang_eagle3.engine.speculation import host_kind
+    draft = tmp_path / "draft"
+    shutil.copytree(folders["draft"], draft)
+    tree = {"cuda": (2, 1, 3), host_kind(): (3, 2, 6)}
+    (draft / "spec_profile.json").write_text(json.dumps({
+        "per_batch_size": PROFILE["per_batch_size"],
+        "by_host": {kind: {"per_batch_size": {"1": dict(zip(("num_steps", "topk", "num_draft_tokens"), t))}}
+                    for kind, t in tree.items()}}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: object())
+    for engine in ("auto", "sglang"):
+        cmd = dry_run(capsys, "--engine", engine, "--target", folders["target"], "--draft", str(draft))
+        got = tuple(int(cmd[cmd.index(f"--speculative-{k}") + 1]) for k in ("num-steps", "eagle-topk",
+                                                                             "num-draft-tokens"))
+        assert got == tree["cuda"], (engine, cmd)

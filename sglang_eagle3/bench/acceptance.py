@@ -35,13 +35,20 @@ DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 # ---- inputs ----------------------------------------------------------------------------------
 
 
-def resolve_sets(names: list[str], data: str) -> dict[str, str]:
+BUILT_FROM = {"mt_bench_turn2": "mt_bench", "code_edit": "humaneval"}
+
+
+def resolve_sets(names: list[str], data: str, built_ok: bool = False) -> dict[str, str]:
     """'mt_bench' -> <data>/eval/mt_bench.jsonl; a path ending in .jsonl is used as is (named by its stem); the sets
-    built from others (--drafters: mt_bench_turn2, code_edit) name the file they are built from."""
+    built from others (built_ok, bench_acceptance --drafters: mt_bench_turn2, code_edit) name the file they are built
+    from; elsewhere they are refused (the other set's prompts would run under their name)."""
     from sglang_eagle3.errors import UserError
-    built = {"mt_bench_turn2": "mt_bench", "code_edit": "humaneval"}
+    built = BUILT_FROM
     out = {}
     for name in names:
+        if name in built and not built_ok:
+            raise UserError(f"--datasets {name}: built from {built[name]} by bench_acceptance --drafters only; name "
+                            f"{built[name]} here")
         path = name if name.endswith(".jsonl") else os.path.join(data, "eval", f"{built.get(name, name)}.jsonl")
         key = name if name in built else os.path.splitext(os.path.basename(path))[0]
         if not os.path.isfile(path):
@@ -208,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafters", default=None, metavar="LIST",
                    help="compare drafters side by side instead (bench/drafters.py): comma list of eagle, suffix, "
                         "hybrid, each optionally -auto (the tree sized each step), e.g. "
-                        "eagle,suffix,hybrid,hybrid-auto; --datasets may then also name mt_bench_turn2 and code_edit")
+                        "eagle,suffix,hybrid,hybrid-auto; --datasets may then also name mt_bench_turn2 and code_edit; "
+                        "the tree flags and --profile shape the eagle and hybrid columns (suffix has no draft tree; "
+                        "with -auto, --num-draft-tokens is the most a step verifies)")
     p.add_argument("--choose-into", default=None, metavar="PROFILE",
                    help="with --drafters: record the column with the best average speed-up as this host kind's "
                         "default drafter and tree in PROFILE (spec_profile.json: by_host[kind].drafting)")
@@ -258,37 +267,33 @@ def run(argv=None) -> int:
     from sglang_eagle3.engine.prompts import load_prompts
     from sglang_eagle3.engine.settings import apply_compile_arg, resolve_dtype, settings_from_args
     from sglang_eagle3.engine.verify import SamplingParams
-    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.errors import UserError, check_at_least, flags_of
     from sglang_eagle3.models.testbed import resolve_target
-    from sglang_eagle3.paths import shipped_draft
 
     a = build_parser().parse_args(argv)
+    columns = check_mode(a)
     a.dtype = resolve_dtype(a.dtype)
     apply_compile_arg(a)
-    if a.n < 1:
-        raise UserError(f"--n must be >= 1, got {a.n}")
+    check_at_least(1, flags_of(a, "n", "threads"))
     if a.threads:
         torch.set_num_threads(a.threads)
-    draft = a.draft or shipped_draft()
-    if not draft or draft == "none":
-        raise UserError("--draft is required (no shipped draft yet; `eagle3 init-draft --out D` writes a random one)")
+    draft = bench_draft(a, columns)
     if a.baseline_draft:
         check_baseline(a.baseline_draft, draft)
-    sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data)
+    sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data, built_ok=columns is not None)
     prompts = {k: load_prompts(path, limit=a.n) for k, path in sets.items()}
     try:
         base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                               ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
-    if a.drafters:
+    if columns is not None:
         from sglang_eagle3.bench.drafters import run_drafters
-
-        def settings_of(drafter: str, tree: str):
-            return settings_from_args(argparse.Namespace(**{**vars(a), "drafter": drafter, "tree": tree}), draft, 1)
+        resolved = [(name, column_settings(a, draft, drafter, tree)) for name, drafter, tree in columns]
         a.argv = list(sys.argv[1:] if argv is None else argv)
-        return run_drafters(a, sets, resolve_target(a.target), draft, settings_of)
-    settings = settings_from_args(a, draft, batch_size=1)      # batch 1: one prompt at a time
+        return run_drafters(a, sets, resolve_target(a.target), draft, resolved)
+    # batch 1: one prompt at a time; the draft model's tree (--drafters compares the others)
+    settings = settings_from_args(argparse.Namespace(**{**vars(a), "drafter": "eagle", "tree": "profile"}), draft, 1)
     spec, profile, source = settings.engine_tree, settings.profile, settings.source
     a.num_steps, a.topk, a.num_draft_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens   # what ran is recorded
     # the profile's long-context table (greedy steps of rows that long), as the server runs it; flags: none
@@ -348,6 +353,69 @@ def run(argv=None) -> int:
         result["baseline"]["average"] = average_row(result["baseline"]["sets"])
     report.write_outputs(a.out, result, markdown_report(result), plot_histograms, "_hist.png")
     return 0
+
+
+def check_mode(a):
+    """--drafters' columns [(name, drafter, tree)], or None for the draft-against-vanilla benchmark; the flags the
+    chosen mode would not read are refused (before anything loads)."""
+    from sglang_eagle3.bench.drafters import check_choice_into, parse_drafters
+    from sglang_eagle3.errors import UserError
+    if a.drafters is None:
+        if a.drafter not in (None, "eagle") or a.tree not in (None, "profile"):
+            flag = f"--drafter {a.drafter}" if a.drafter not in (None, "eagle") else f"--tree {a.tree}"
+            raise UserError(f"{flag}: this benchmark measures --draft's EAGLE tree against vanilla decoding; compare "
+                            "drafters side by side with --drafters (e.g. --drafters eagle,suffix,hybrid-auto)")
+        if a.choose_into:
+            raise UserError(f"--choose-into {a.choose_into} records the best of the --drafters columns: pass "
+                            "--drafters")
+        return None
+    for name, value in (("drafter", a.drafter), ("tree", a.tree)):
+        if value is not None:
+            raise UserError(f"--{name} {value}: --drafters names each column's drafter and tree (DRAFTER or "
+                            "DRAFTER-auto); leave it out")
+    if a.baseline_draft:
+        raise UserError(f"--baseline-draft {a.baseline_draft} compares two drafts' EAGLE trees, not --drafters' "
+                        "columns: run it without --drafters")
+    columns = parse_drafters(a.drafters)
+    if a.choose_into:
+        check_choice_into(a.choose_into)
+    return columns
+
+
+def bench_draft(a, columns):
+    """The draft folder the run measures (--draft, else the shipped one for the embedded target); None only where no
+    column drafts with a draft model (--drafters suffix)."""
+    from sglang_eagle3.engine.settings import default_draft
+    from sglang_eagle3.errors import UserError
+    draft = default_draft(a.draft, a.target in (None, "testbed"))
+    if draft is not None:
+        return draft
+    why = "--draft none" if a.draft == "none" else \
+        "no --draft given, and no shipped draft yet" if a.target in (None, "testbed") else \
+        f"no --draft given for --target {a.target} (the shipped draft is the embedded target's)"
+    if columns is None:
+        raise UserError(f"this benchmark measures a draft against vanilla decoding, but there is no draft ({why}): "
+                        "pass --draft D (`eagle3 init-draft --out D` writes a random one)")
+    needs = [name for name, drafter, _ in columns if drafter != "suffix"]
+    if needs:
+        raise UserError(f"--drafters {a.drafters}: {needs[0]} drafts with a draft model, but there is no draft "
+                        f"({why}): pass --draft D, or leave it out")
+    return None
+
+
+def column_settings(a, draft, drafter: str, tree: str):
+    """One --drafters column's settings: the shared flags, its drafter and tree; the context drafter (suffix) reads
+    no draft, profile or tree shape (with -auto, --num-draft-tokens is still the most a step verifies)."""
+    from sglang_eagle3.engine.settings import settings_from_args
+    from sglang_eagle3.errors import UserError
+    flags = {"drafter": drafter, "tree": tree}
+    if drafter == "suffix":
+        flags.update(num_steps=None, topk=None, profile=None, **({} if tree == "auto" else {"num_draft_tokens": None}))
+    try:
+        return settings_from_args(argparse.Namespace(**{**vars(a), **flags}), "none" if drafter == "suffix" else draft,
+                                  1)
+    except UserError as e:
+        raise UserError(f"--drafters {drafter}{'-auto' if tree == 'auto' else ''}: {e}") from None
 
 
 def check_baseline(path: str, draft: str) -> None:

@@ -20,7 +20,7 @@ from sglang_eagle3.engine.settings import (
 from sglang_eagle3.engine.verify import SamplingParams
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.testbed import resolve_target
-from sglang_eagle3.paths import data_dir
+from sglang_eagle3.paths import data_dir, shipped_draft
 
 FALLBACK_PROMPTS = ["Give me three tips for staying focused while studying.",
                     "Write a short poem about autumn leaves.",
@@ -28,6 +28,20 @@ FALLBACK_PROMPTS = ["Give me three tips for staying focused while studying.",
 
 
 def main(argv=None) -> int:
+    from sglang_eagle3.bench import run_cli
+    return run_cli("demo", run, argv)
+
+
+def random_draft() -> str:
+    """An untrained draft for the embedded target (made once), where no trained one is shipped."""
+    from sglang_eagle3.models.cli import init_draft
+    path = os.path.join(os.path.dirname(resolve_target(None)), "random-draft")
+    if not os.path.isdir(path):
+        init_draft("testbed", path, draft_vocab_size=8192)
+    return path
+
+
+def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", default=data_dir())
     ap.add_argument("--n", type=int, default=3, help="MT-bench prompts to run")
@@ -50,15 +64,10 @@ def main(argv=None) -> int:
         print(f"note: {mt} not found (DATA={a.data}): using {len(prompts)} built-in prompts instead of MT-bench\n")
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
-    settings = settings_from_args(a, a.draft, batch_size=len(chats))
-    note = ""
-    if settings.draft is None and a.draft is None:
-        from sglang_eagle3.models.cli import init_draft
-        random_draft = os.path.join(os.path.dirname(resolve_target(None)), "random-draft")
-        if not os.path.isdir(random_draft):
-            init_draft("testbed", random_draft, draft_vocab_size=8192)
-        settings = settings_from_args(a, random_draft, batch_size=len(chats))
-        note = " (no trained draft shipped: a RANDOM draft, so expect accept length ~1)"
+    draft, note = a.draft, ""
+    if draft is None and shipped_draft() is None and a.drafter != "suffix":     # suffix: no draft model to stand in
+        draft, note = random_draft(), " (no trained draft shipped: a RANDOM draft, so expect accept length ~1)"
+    settings = settings_from_args(a, draft, batch_size=len(chats))
     spec_engine = engine_from_settings(None, settings)
     vanilla = SpeculativeEngine(spec_engine.target, None)
     few = extension.status()["few_row_kernel"]
@@ -69,7 +78,8 @@ def main(argv=None) -> int:
                f"(extension loaded in {ext_s:.1f} s; built once at install)" if ext is not None else
                "eager PyTorch" + (f" (C++ extension unavailable: {extension.status()['extension_error']})"
                                   if a.compile == "auto" else " (--compile off)"))
-    print(f"target: {resolve_target(None)}\ndraft:  {settings.draft}{note}\ntree:   {settings.describe()}\n"
+    shown = settings.draft or ("none (the context drafts)" if settings.speculates else "none")
+    print(f"target: {resolve_target(None)}\ndraft:  {shown}{note}\ntree:   {settings.describe()}\n"
           f"dtype:  {settings.dtype}, threads: {torch.get_num_threads()}\nengine: {runtime}\n")
     # warm-up, not timed: first calls allocate the KV pools, and with --tree auto the first run on a machine measures
     # its step costs (a few seconds, cached after), which the comparison must not count

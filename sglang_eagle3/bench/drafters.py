@@ -19,6 +19,7 @@ import json
 import os
 import time
 from dataclasses import replace
+from typing import Optional
 
 from sglang_eagle3.bench import report
 
@@ -39,15 +40,34 @@ def parse_drafters(text: str) -> list[tuple[str, str, str]]:
     from sglang_eagle3.engine.speculation import DRAFTERS
     from sglang_eagle3.errors import UserError
     out = []
-    for name in [x.strip() for x in text.split(",") if x.strip()]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise UserError(f"--drafters {text!r}: name at least one drafter ({', '.join(DRAFTERS)}, each optionally "
+                        "-auto)")
+    for name in names:
         drafter, _, tree = name.partition("-")
         if drafter not in DRAFTERS or tree not in ("", "auto"):
             raise UserError(f"--drafters {name}: expected DRAFTER or DRAFTER-auto with DRAFTER one of "
                             f"{', '.join(DRAFTERS)}")
         out.append((name, drafter, tree or "profile"))
-    if len({c for c, _, _ in out}) != len(out) or not out:
+    if len({c for c, _, _ in out}) != len(out):
         raise UserError(f"--drafters {text!r}: name each drafter once")
     return out
+
+
+def check_choice_into(path: str) -> None:
+    """--choose-into before the run (it was found only after it): a readable profile, in a folder this run can
+    write its new version into."""
+    from sglang_eagle3.engine.speculation import SpecProfile
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.config import ConfigError
+    try:
+        SpecProfile.load(path)
+    except ConfigError as e:
+        raise UserError(f"--choose-into {path}: {e}") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.access(folder, os.W_OK | os.X_OK) or not os.access(path, os.W_OK):
+        raise UserError(f"--choose-into {path}: no permission to write it (or in {folder})")
 
 
 def code_edit_prompts(path: str, n: int) -> list[list[str]]:
@@ -170,8 +190,9 @@ def plot(result: dict, path: str) -> str:
     return report.save_figure(fig, path)
 
 
-def run_drafters(a, sets: dict[str, str], target: str, base_draft: str, settings_of) -> int:
-    """a: bench_acceptance's arguments; sets: name -> jsonl; settings_of(drafter, tree) -> Settings."""
+def run_drafters(a, sets: dict[str, str], target: str, base_draft: Optional[str], columns: list) -> int:
+    """a: bench_acceptance's arguments; sets: name -> jsonl; columns: [(name, its Settings)] (resolved before
+    anything loads); base_draft: None where no column drafts with a draft model."""
     import torch  # noqa: F401  (the engines' dtype)
     from tqdm import tqdm
 
@@ -180,13 +201,11 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: str, settings
     from sglang_eagle3.engine.prompts import load_prompts
     from sglang_eagle3.engine.verify import SamplingParams
 
-    columns = parse_drafters(a.drafters)
-    first = settings_of("eagle", "profile")
+    first = next((st for _, st in columns if st.draft), columns[0][1])     # loads the draft where a column uses it
     base_engine = engine_from_settings(target, first)
     tm, draft = base_engine.target, base_engine.draft
     engines = {"vanilla": SpeculativeEngine(tm, None)}
-    for name, drafter, tree in columns:
-        st = settings_of(drafter, tree)
+    for name, st in columns:
         engines[name] = SpeculativeEngine(tm, draft if st.draft else None, st.engine_tree, st.profile, st.drafting)
     base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                           ignore_eos=a.ignore_eos)
@@ -201,10 +220,11 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: str, settings
             data[name] = [t for t in load_prompts(path, limit=a.n) if len(t) > 1]
         else:
             data[name] = load_prompts(path, limit=a.n)
-    config = {"target": target, "draft": os.path.abspath(base_draft), "drafters": a.drafters, "dtype": first.dtype,
-              "temperature": a.temperature, "n": a.n, "max_new_tokens": a.max_new_tokens, "seed": a.seed}
+    config = {"target": target, "draft": os.path.abspath(base_draft) if base_draft else None, "drafters": a.drafters,
+              "dtype": first.dtype, "temperature": a.temperature, "n": a.n, "max_new_tokens": a.max_new_tokens,
+              "seed": a.seed}
     result = {"format": FORMAT, "config": config, "meta": report.run_metadata(),
-              "columns": [c for c, _, _ in columns], "sets": {}, "average": None}
+              "columns": [c for c, _ in columns], "sets": {}, "average": None}
     bar = tqdm(total=sum(len(v) for v in data.values()), desc="prompts", unit="prompt", dynamic_ncols=True)
     order = list(engines)
     for si, (name, convs) in enumerate(data.items()):

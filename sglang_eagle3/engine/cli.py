@@ -106,8 +106,10 @@ def run_generate(a) -> int:
     settings = settings_from_args(a, a.draft, a.batch_size)
     engine = engine_from_settings(a.target, settings)
     outputs, stats = decode_conversations(engine, rows, params, a)
-    tree = settings.engine_tree if settings.draft else None
-    drafting = {"drafter": settings.drafting.drafter, "tree": settings.drafting.tree} if settings.speculates else None
+    tree = settings.step_tree                  # with --tree auto: its size is the most a step verifies
+    d = settings.drafting
+    drafting = {"drafter": d.drafter, "tree": d.tree, **({"max_nodes": d.max_nodes} if d.tree == "auto" else {})} \
+        if settings.speculates else None
     if a.json:
         json.dump({"outputs": outputs, "stats": stats.as_dict(), "draft": settings.draft or "none",
                    "dtype": settings.dtype, "source": settings.source, "drafting": drafting,
@@ -120,7 +122,8 @@ def run_generate(a) -> int:
         shown = o["prompt"] if isinstance(o["prompt"], str) else o["prompt"][-1]["content"]
         print(f">>> {shown}\n{o['text']}\n[{len(o['token_ids'])} tokens, {o['finish_reason']}, "
               f"accept length {o['accept_length']:.2f}]\n")
-    print(f"draft: {settings.draft or 'none (vanilla)'} | {settings.describe()} | {settings.dtype} | "
+    draft = settings.draft or ("none" if settings.speculates else "none (vanilla)")     # suffix: the context drafts
+    print(f"draft: {draft} | {settings.describe()} | {settings.dtype} | "
           f"tokens: {stats.generated_tokens} | verify steps: {stats.verify_steps} | "
           f"accept length: {stats.accept_length:.2f} | {stats.tokens_per_s:.1f} tok/s | "
           f"draft {stats.draft_time:.2f}s verify {stats.verify_time:.2f}s prefill {stats.prefill_time:.2f}s" +

@@ -212,10 +212,7 @@ class Scheduler:
         if self.draft is None:
             return None
         spec = self.profile.for_batch_size(batch_size, sampled, context) if self.profile else self.spec
-        if spec is None or self.planner is None:
-            return spec
-        most = 1 + spec.topk + (spec.num_steps - 1) * spec.topk * spec.topk
-        return SpecConfig(spec.num_steps, spec.topk, min(self.drafting.max_nodes, most))
+        return spec if self.planner is None else self.drafting.step_tree(spec)
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""

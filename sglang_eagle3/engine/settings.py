@@ -10,11 +10,17 @@ SGLang launch), `make demo` and every benchmark call it, so they all run the sam
 - tree: explicit `--num-steps/--topk/--num-draft-tokens` fix it (a flag given alone fills in the rest from the
   profile's tree at this batch size, else SGLang's 5/4/16); otherwise the profile (`--profile`, else the draft's
   own spec_profile.json, its table for this kind of host) picks the tree per running batch size; a profile that
-  never speculates drops the draft; with no profile, SGLang's default 5/4/16.
+  never speculates drops the draft; with no profile, SGLang's default 5/4/16. A profile that names another target
+  than --target is refused;
+- drafting: --drafter / --tree, else the profile's choice for this host, else eagle with fixed trees. Flags that
+  contradict each other or that the drafter would never read are refused, not rewritten: --draft, --profile and the
+  tree flags under --drafter suffix (no draft model); --drafter eagle / hybrid, --tree or tree flags without a draft.
+  With --tree auto, --num-draft-tokens is the most a step verifies.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,6 +28,7 @@ import torch
 
 from sglang_eagle3.engine.speculation import (
     DRAFTERS,
+    MAX_NODES,
     TREE_SIZING,
     Drafting,
     SpecConfig,
@@ -29,9 +36,10 @@ from sglang_eagle3.engine.speculation import (
     draft_profile_path,
     host_kind,
 )
-from sglang_eagle3.errors import UserError
+from sglang_eagle3.errors import UserError, check_at_least
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.config import ConfigError
+from sglang_eagle3.models.testbed import MODEL_DIRNAME
 from sglang_eagle3.paths import shipped_draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,14 +70,22 @@ class Settings:
     def speculates(self) -> bool:
         return self.draft is not None or self.drafting.uses_context
 
+    @property
+    def step_tree(self) -> Optional[SpecConfig]:
+        """The draft model's tree as a step runs it (None: no draft): with --tree auto, its size is the most a step
+        verifies."""
+        return self.drafting.step_tree(self.engine_tree) if self.draft is not None else None
+
     def describe(self) -> str:
         d = self.drafting
-        how = f"drafter {d.drafter}" + (", tree sized each step" if d.tree == "auto" else "")
+        auto = d.tree == "auto"
+        how = f"drafter {d.drafter}" + (", tree sized each step" if auto else "")
         if self.draft is None:
-            return f"{how} (no draft model)" if d.uses_context else "no speculation"
-        t = self.tree
-        shape = f"tree num_steps={t.num_steps} topk={t.topk} num_draft_tokens={t.num_draft_tokens}" if t else \
-            "no speculation at this batch size"
+            return f"{how}{f' up to {d.max_nodes} tokens' if auto else ''} (no draft model)" if d.uses_context else \
+                "no speculation"
+        t = d.step_tree(self.tree)
+        shape = f"{'up to' if auto else 'tree'} num_steps={t.num_steps} topk={t.topk} " \
+                f"num_draft_tokens={t.num_draft_tokens}" if t else "no speculation at this batch size"
         return f"{how}, {shape} ({self.source})"
 
 
@@ -117,52 +133,100 @@ def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dty
                      num_steps: Optional[int] = None, topk: Optional[int] = None,
                      num_draft_tokens: Optional[int] = None, profile: Optional[str] = None, batch_size: int = 1,
                      temperature: float = 0.0, device: str = "cpu", drafter: Optional[str] = None,
-                     tree: Optional[str] = None) -> Settings:
-    """The one place that decides what a run decodes with (see the module docstring for the rules)."""
-    settings = _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_tokens, profile, batch_size,
-                             temperature, device, drafter)
-    settings.drafting = resolve_drafting(settings, drafter, tree, device)
+                     tree: Optional[str] = None, target: Optional[str] = None) -> Settings:
+    """The one place that decides what a run decodes with (see the module docstring for the rules). target: the
+    --target as given ('testbed': the embedded one), which a profile that names its own target must match."""
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
+                if v is not None}
+    check_at_least(1, {"--" + k.replace("_", "-"): v for k, v in explicit.items()})
+    check_drafting_flags(draft, embedded_target, explicit, profile, drafter, tree)
+    settings, table = _resolve_tree(draft, embedded_target, dtype, explicit, profile, batch_size, temperature,
+                                    device, drafter, target)
+    settings.drafting = resolve_drafting(settings, drafter, tree, explicit, table)
     if settings.drafting.drafter == "suffix":
         settings.draft = None                           # context proposals only: the draft model is not loaded
     return settings
 
 
-def resolve_drafting(settings: Settings, drafter: Optional[str], tree: Optional[str], device: str) -> Drafting:
+def check_drafting_flags(draft: Optional[str], embedded_target: bool, explicit: dict, profile: Optional[str],
+                         drafter: Optional[str], tree: Optional[str]) -> None:
+    """Flags that contradict each other, or that the drafter would never read, are refused (not rewritten), before
+    anything is read: --draft / --profile / tree flags under --drafter suffix; a drafter, --tree, --profile or tree
+    flags that need a draft model where there is none."""
+    if drafter == "suffix":
+        if draft not in (None, "none"):
+            raise UserError(f"--draft {draft}: --drafter suffix drafts from the context alone and loads no draft "
+                            "model; leave --draft out")
+        if profile:
+            raise UserError(f"--profile {profile}: --drafter suffix reads no speculation profile (its trees are the "
+                            "draft model's); leave --profile out")
+        check_context_tree(explicit, tree or "profile", "--drafter suffix")
+        return
+    if default_draft(draft, embedded_target) is not None:
+        return
+    why = "--draft none" if draft == "none" else "no --draft given"
+    if drafter is not None:
+        what = "drafts with the draft model" if drafter == "eagle" else "adds the draft model's tree to the context's"
+        raise UserError(f"--drafter {drafter} {what}, but there is no draft ({why}): pass --draft, or --drafter suffix")
+    if tree is not None:
+        raise UserError(f"--tree {tree} sizes the draft tree, but there is no draft (vanilla decoding, {why}): pass "
+                        "--draft, or --drafter suffix")
+    if profile:
+        raise UserError(f"--profile {profile}: a speculation profile needs a draft (--draft)")
+    if explicit:
+        raise UserError(f"--{next(iter(explicit)).replace('_', '-')} shapes the draft tree, but there is no draft "
+                        "(vanilla decoding): pass --draft, or leave the tree flags out")
+
+
+def check_context_tree(explicit: dict, tree: str, who: str) -> None:
+    """Tree flags where only the context drafts (`who`: the flag or profile that chose suffix): none shapes its tree,
+    except --num-draft-tokens with --tree auto (the most a step verifies)."""
+    shaping = [k for k in explicit if not (k == "num_draft_tokens" and tree == "auto")]
+    if shaping:
+        flag = "--" + shaping[0].replace("_", "-")
+        raise UserError(f"{flag} shapes the draft model's tree, but {who} drafts from the context alone: leave it out, "
+                        "or pass --drafter eagle or hybrid" +
+                        (" (with --tree auto, --num-draft-tokens is the most a step verifies)"
+                         if flag == "--num-draft-tokens" else ""))
+
+
+def resolve_drafting(settings: Settings, drafter: Optional[str], tree: Optional[str], explicit: dict,
+                     table: Optional[SpecProfile]) -> Drafting:
     """--drafter / --tree, else the profile's measured choice for this host (`drafting` in its table), else
-    eagle with the profile's fixed trees; without a draft model, `eagle` falls back to no speculation."""
-    chosen = dict(settings.profile.drafting) if settings.profile is not None and settings.profile.drafting else {}
+    eagle with the profile's fixed trees; without a draft model, `eagle` falls back to no speculation. With the
+    per-step tree (`auto`), an explicit --num-draft-tokens is the most a step verifies."""
+    chosen = dict(table.drafting) if table is not None else {}
+    if drafter is None and chosen.get("drafter") == "suffix":
+        check_context_tree(explicit, tree or chosen.get("tree", "profile"),
+                           f"{table.source} (its drafter for this host: suffix)")
     if drafter is not None:
         chosen["drafter"] = drafter
     if tree is not None:
         chosen["tree"] = tree
+    if chosen.get("tree") == "auto" and "num_draft_tokens" in explicit:
+        most = explicit["num_draft_tokens"]
+        if most > MAX_NODES:
+            raise UserError(f"--num-draft-tokens {most}: with --tree auto it is the most a step verifies, at most "
+                            f"{MAX_NODES}")
+        chosen["max_nodes"] = most
     if chosen.get("drafter", "eagle") == "hybrid" and settings.draft is None:
-        chosen["drafter"] = "suffix"                    # no draft model: the context's proposals alone
+        chosen["drafter"] = "suffix"    # the profile measured the draft slower at every batch size: the context alone
     try:
         return Drafting(**chosen)
     except (ConfigError, TypeError) as e:
         raise UserError(str(e)) from None
 
 
-def _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_tokens, profile, batch_size,
-                  temperature, device, drafter) -> Settings:
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    for name, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens)):
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+def _resolve_tree(draft, embedded_target, dtype, explicit, profile, batch_size, temperature, device, drafter,
+                  target) -> tuple[Settings, Optional[SpecProfile]]:
+    """The draft and its tree, and the profile they came from (its drafting choice counts under fixed trees too)."""
     dtype = resolve_dtype(dtype, device)
-    asked_none = draft == "none" or (draft is None and not embedded_target)
     draft = default_draft(draft, embedded_target) if drafter != "suffix" else None
-    explicit = {k: v for k, v in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens))
-                if v is not None}
     if draft is None:
-        if profile and drafter != "suffix":
-            raise UserError(f"--profile {profile}: a speculation profile needs a draft (--draft)")
-        if explicit and asked_none and drafter != "suffix":
-            raise UserError(f"--{next(iter(explicit)).replace('_', '-')} shapes the draft tree, but there is no draft "
-                            "(vanilla decoding): pass --draft, or leave the tree flags out")
-        return Settings(dtype, None, None, None, "no draft", batch_size)
-    table, where = load_profile(profile, draft, device)
+        return Settings(dtype, None, None, None, "no draft", batch_size), None
+    table, where = load_profile(profile, draft, device, target)
     sampled = temperature > 0 and table is not None and table.sampled is not None
     if explicit:
         base = (table.measured_tree(batch_size, sampled) if table is not None else None) or SpecConfig()
@@ -170,31 +234,44 @@ def _resolve_tree(draft, embedded_target, dtype, num_steps, topk, num_draft_toke
                               "num_draft_tokens": base.num_draft_tokens}, explicit)
         source = "flags " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in explicit.items()) + \
             (f" over {where}'s tree" if table is not None else "")
-        return Settings(dtype, draft, tree, None, source, batch_size)
+        return Settings(dtype, draft, tree, None, source, batch_size), table
     if table is None:
-        return Settings(dtype, draft, SpecConfig(), None, where or "default tree (SGLang's 5/4/16)", batch_size)
+        return Settings(dtype, draft, SpecConfig(), None, where or "default tree (SGLang's 5/4/16)", batch_size), None
     if all(t is None for t in table.table.values()):
         return Settings(dtype, None, None, None, f"{where} chooses no speculation at any batch size: the draft is "
-                        "not loaded", batch_size)
+                        "not loaded", batch_size), table
     tree = table.for_batch_size(batch_size, sampled)
     what = "tuned" if tree is not None else "vanilla measured faster"
     return Settings(dtype, draft, tree, table, f"{table.source}, {'sampled, ' if sampled else ''}batch {batch_size}: "
-                    f"{what}; adapts to the running batch size", batch_size)
+                    f"{what}; adapts to the running batch size", batch_size), table
 
 
-def load_profile(path: Optional[str], draft: str, device: str = "cpu") -> tuple[Optional[SpecProfile], str]:
+def model_name(target: str) -> str:
+    """What names a model on any machine: 'testbed' is the embedded SmolLM2; a folder or a hub id, its last part
+    (tune_spec records a folder outside the repository by its name)."""
+    if target in ("", "testbed"):
+        return MODEL_DIRNAME.lower()
+    return os.path.basename(os.path.normpath(os.path.expanduser(target))).lower()
+
+
+def load_profile(path: Optional[str], draft: str, device: str = "cpu",
+                 target: Optional[str] = None) -> tuple[Optional[SpecProfile], str]:
     """The speculation profile a run uses and a note on it: --profile as given, else the draft folder's own
     spec_profile.json. On a GPU a draft's own profile counts only with a table measured on GPUs (its CPU tables
-    pick trees for another cost of a verify)."""
+    pick trees for another cost of a verify). A profile recorded for another target than `target` is refused."""
     own = path is None
     path = path or draft_profile_path(draft)
     if path is None:
         return None, ""
     kind = host_kind(device)
+    named = "" if own else "--profile "
     try:
         table = SpecProfile.load(path, host=kind)
     except ConfigError as e:
         raise UserError(f"--profile: {e}" if not own else str(e)) from None
+    if target is not None and table.target is not None and model_name(table.target) != model_name(target):
+        raise UserError(f"{named}{path}: measured for target {table.target}, not this run's {target} (a profile's "
+                        "trees hold for its own target; tune one for this target with bench/tune_spec.py)")
     if own and kind == "cuda" and table.host != "cuda":
         return None, f"{path} has no table for GPUs: default tree (SGLang's 5/4/16)"
     return table, path
@@ -220,7 +297,8 @@ def add_spec_args(p: argparse.ArgumentParser, profile: bool = True) -> None:
                              "else 5/4/16 as SGLang)")
     g.add_argument("--num-steps", type=int, default=None, help="tree depth")
     g.add_argument("--topk", type=int, default=None, help="branching per step")
-    g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens verified per step incl. the root")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tokens verified per step incl. the root (--tree auto: the most a step verifies)")
     g.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                    help="eagle: the draft model's tree; suffix: continuations of the context's earlier text (no draft "
                         "model, any target); hybrid: both in one tree (default: the profile's choice for this host, "
@@ -257,13 +335,16 @@ def explicit_tree(base: dict, given: dict) -> SpecConfig:
     return tree
 
 
-def settings_from_args(args, draft: Optional[str], batch_size: int = 1) -> Settings:
-    """resolve_settings from an argparse namespace with the shared flags (absent ones take their defaults)."""
+def settings_from_args(args, draft: Optional[str], batch_size: int = 1, device: Optional[str] = None) -> Settings:
+    """resolve_settings from an argparse namespace with the shared flags (absent ones take their defaults); device:
+    where the run decodes when the namespace has no --device (the SGLang launch: cuda)."""
     target = getattr(args, "target", None)
+    embedded = bool(getattr(args, "embedded_target", False)) or target in (None, "testbed")
     return resolve_settings(
-        draft, embedded_target=bool(getattr(args, "embedded_target", False)) or target in (None, "testbed"),
+        draft, embedded_target=embedded,
         dtype=getattr(args, "dtype", "auto") or "auto", num_steps=getattr(args, "num_steps", None),
         topk=getattr(args, "topk", None), num_draft_tokens=getattr(args, "num_draft_tokens", None),
         profile=getattr(args, "profile", None), batch_size=batch_size,
-        temperature=getattr(args, "temperature", 0.0) or 0.0, device=getattr(args, "device", None) or "cpu",
-        drafter=getattr(args, "drafter", None), tree=getattr(args, "tree", None))
+        temperature=getattr(args, "temperature", 0.0) or 0.0,
+        device=device or getattr(args, "device", None) or "cpu", drafter=getattr(args, "drafter", None),
+        tree=getattr(args, "tree", None), target=target or ("testbed" if embedded else None))

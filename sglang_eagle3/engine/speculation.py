@@ -74,7 +74,7 @@ class SpecProfile:
     def __init__(self, table: dict[int, Optional[SpecConfig]], source: str = "",
                  fastest: Optional[dict[int, SpecConfig]] = None, sampled: Optional["SpecProfile"] = None,
                  host: Optional[str] = None, long_context: Optional[tuple[int, "SpecProfile"]] = None,
-                 drafting: Optional[dict] = None):
+                 drafting: Optional[dict] = None, target: Optional[str] = None):
         if not table:
             raise ConfigError(f"{source or 'profile'}: no batch sizes")
         self.table, self.source = dict(sorted(table.items())), source
@@ -83,11 +83,13 @@ class SpecProfile:
         self.host = host                      # the by_host entry these tables came from (None: the profile's own)
         self.long_context = long_context      # (min_tokens, the table for steps at that context or more), or None
         self.drafting = dict(drafting or {})  # the drafter and tree sizing measured best here (Drafting's fields)
+        self.target = target                  # the target it was measured for (its 'target'), if it says
 
     @classmethod
     def load(cls, path: str, host: Optional[str] = None) -> "SpecProfile":
         """The profile's tables; where it holds tables measured on this kind of host (by_host[host_kind()], or
-        by_host[host]), those: tune_spec --host-table-into PROFILE adds them."""
+        by_host[host]), those: tune_spec --host-table-into PROFILE adds them. Every table and drafting entry is
+        checked, other hosts' too (one line naming the file and the field)."""
         if not os.path.isfile(path):
             raise ConfigError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
         try:
@@ -95,35 +97,47 @@ class SpecProfile:
                 prof = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        table = prof.get("per_batch_size") if isinstance(prof, dict) else None
-        sampled = prof.get("sampled") if isinstance(prof, dict) else None
-        long_context = prof.get("long_context") if isinstance(prof, dict) else None
-        drafting = prof.get("drafting") if isinstance(prof, dict) else None
-        by_host = prof.get("by_host") if isinstance(prof, dict) else None
-        source, kind = path, None
-        if by_host is not None:
-            if not isinstance(by_host, dict) or not all(isinstance(v, dict) for v in by_host.values()):
-                raise ConfigError(f"{path}: 'by_host' must map a host kind to an object with its own 'per_batch_size'")
-            kind = host or host_kind()
-            entry = by_host.get(kind) or {}
-            drafting = entry.get("drafting", drafting)     # the drafter measured best on this kind of host
-            if entry.get("per_batch_size") is not None:
-                table, sampled, source = entry.get("per_batch_size"), entry.get("sampled", sampled), f"{path} [{kind}]"
-                long_context = entry.get("long_context")   # measured on another kind of host: not for this one
-            else:
-                kind = None
+        if not isinstance(prof, dict):
+            raise ConfigError(f"{path}: expected 'per_batch_size' with integer batch-size keys")
+        by_host = prof.get("by_host")
+        if by_host is not None and (not isinstance(by_host, dict) or
+                                    not all(isinstance(v, dict) for v in by_host.values())):
+            raise ConfigError(f"{path}: 'by_host' must map a host kind to an object with its own 'per_batch_size'")
+        drafting = check_drafting(prof.get("drafting"), f"{path}: drafting")
+        hosts = {kind: cls._host_entry(prof, entry, f"{path} [{kind}]", f"{path}: by_host.{kind}.drafting")
+                 for kind, entry in (by_host or {}).items()}        # every host's entry checked, this host's used
+        kind = (host or host_kind()) if by_host is not None else None
+        mine, host_drafting = hosts.get(kind, (None, None))
+        if kind in hosts and "drafting" in by_host[kind]:
+            drafting = host_drafting                             # the drafter measured best on this kind of host
+        top = cls._entry(prof, path) if mine is None or prof.get("per_batch_size") is not None else None
+        profile = mine or top
+        profile.host = kind if mine is not None else None
+        profile.drafting = drafting or {}
+        profile.target = prof.get("target") if isinstance(prof.get("target"), str) else None
+        return profile
+
+    @classmethod
+    def _host_entry(cls, prof: dict, entry: dict, source: str, where: str):
+        """(this host kind's tables, or None where its entry holds none; its drafting, or None)."""
+        drafting = check_drafting(entry.get("drafting"), where)
+        if entry.get("per_batch_size") is None:
+            return None, drafting
+        # the profile's own sampled table where the entry has none; a long-context table only from the entry itself
+        # (measured on another kind of host, the profile's own is not for this one)
+        merged = {"per_batch_size": entry["per_batch_size"], "sampled": entry.get("sampled", prof.get("sampled")),
+                  "long_context": entry.get("long_context")}
+        return cls._entry(merged, source), drafting
+
+    @classmethod
+    def _entry(cls, entry: dict, source: str) -> "SpecProfile":
+        """The tables of one entry (the profile's own or a by_host one): per_batch_size, sampled, long_context."""
+        sampled, long_context = entry.get("sampled"), entry.get("long_context")
         if sampled is not None:
             if not isinstance(sampled, dict):
                 raise ConfigError(f"{source}: 'sampled' must be an object with its own 'per_batch_size'")
             sampled = cls._from_table(sampled.get("per_batch_size"), f"{source} (sampled)")
-        profile = cls._from_table(table, source, sampled)
-        profile.host = kind
-        if drafting is not None:
-            fields = {"drafter", "tree", "max_nodes", "context_tokens", "context_branches", "min_match"}
-            if not isinstance(drafting, dict) or not set(drafting) & fields:
-                raise ConfigError(f"{source}: 'drafting' must be an object with drafter / tree / max_nodes / "
-                                  "context_tokens / context_branches / min_match")
-            profile.drafting = {k: v for k, v in drafting.items() if k in fields}    # (the rest: what measured it)
+        profile = cls._from_table(entry.get("per_batch_size"), source, sampled)
         if long_context is not None:
             min_tokens = long_context.get("min_tokens") if isinstance(long_context, dict) else None
             if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
@@ -194,6 +208,26 @@ class SpecProfile:
 
 DRAFTERS = ("eagle", "suffix", "hybrid")
 TREE_SIZING = ("profile", "auto")
+MAX_NODES = 128                  # the largest per-step tree (--tree auto); cost_model times verifies up to 128 tokens
+DRAFTING_COUNTS = ("max_nodes", "context_tokens", "context_branches", "min_match")
+
+
+def check_drafting(entry, where: str) -> Optional[dict]:
+    """A profile's `drafting` object (None: it has none) as Drafting's fields, each value checked; a bad one is a
+    ConfigError naming `where` (the file and the entry) and the field. Other keys say what measured it."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not set(entry) & {"drafter", "tree", *DRAFTING_COUNTS}:
+        raise ConfigError(f"{where} must be an object with drafter / tree / {' / '.join(DRAFTING_COUNTS)}")
+    for name, choices in (("drafter", DRAFTERS), ("tree", TREE_SIZING)):
+        if name in entry and (not isinstance(entry[name], str) or entry[name] not in choices):
+            raise ConfigError(f"{where}.{name} must be one of {', '.join(choices)}, got {entry[name]!r}")
+    for name in DRAFTING_COUNTS:
+        value, top = entry.get(name, 1), MAX_NODES if name == "max_nodes" else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (top and value > top):
+            raise ConfigError(f"{where}.{name} must be an integer " + (f"in 1..{top}" if top else ">= 1") +
+                              f", got {value!r}")
+    return {k: v for k, v in entry.items() if k in ("drafter", "tree", *DRAFTING_COUNTS)}
 
 
 @dataclass
@@ -213,13 +247,9 @@ class Drafting:
     pool_tokens: int = 0             # tokens of recent requests searched too (the server; 0: none)
 
     def __post_init__(self):
-        if self.drafter not in DRAFTERS:
-            raise ConfigError(f"--drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
-        if self.tree not in TREE_SIZING:
-            raise ConfigError(f"--tree {self.tree!r}: choose one of {', '.join(TREE_SIZING)}")
-        for name in ("max_nodes", "context_tokens", "context_branches", "min_match"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        fields = {"drafter": self.drafter, "tree": self.tree}
+        fields.update({name: getattr(self, name) for name in DRAFTING_COUNTS})
+        check_drafting(fields, "drafting")
         if self.pool_tokens < 0:
             raise ConfigError(f"--pool-tokens must be >= 0, got {self.pool_tokens}")
 
@@ -230,3 +260,11 @@ class Drafting:
     @property
     def uses_context(self) -> bool:
         return self.drafter in ("suffix", "hybrid")
+
+    def step_tree(self, spec: Optional[SpecConfig]) -> Optional[SpecConfig]:
+        """The most a step drafts with the shape `spec`: the shape itself, or with the per-step tree (`auto`) its
+        depth and branching and, as its size, the most a step may verify (max_nodes, at most what they can draft)."""
+        if spec is None or self.tree != "auto":
+            return spec
+        most = 1 + spec.topk + (spec.num_steps - 1) * spec.topk * spec.topk
+        return SpecConfig(spec.num_steps, spec.topk, min(self.max_nodes, most))

@@ -42,6 +42,12 @@ from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
 DEFAULT_SPEC = SpecConfig()
 BUILTIN_MAX_RUNNING = 32
+BUILTIN_MAX_QUEUE = 256
+DEFAULT_POOL_TOKENS = 1 << 16
+DEFAULT_ATTENTION_BACKEND = "flashinfer"
+# flags only one engine reads (given to the other, they would be ignored): refused there
+BUILTIN_ONLY = ("max_queue", "max_len", "pool_tokens", "max_body_mb")
+SGLANG_ONLY = ("attention_backend", "cuda_graph_max_bs", "adaptive")
 # SGLang flags this command composes; passing them through as well would be ambiguous.
 COMPOSED_FLAGS = {
     "--model-path": "--target", "--model": "--target",
@@ -69,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
     g = p.add_argument_group("builtin engine")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
-    g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 503")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help=f"waiting requests beyond which the server answers 503 (default {BUILTIN_MAX_QUEUE})")
     add_compile_arg(g)
     g.add_argument("--max-len", type=int, default=None,
                    help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
@@ -94,10 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "both in one tree (default: the profile's choice for this host, else eagle)")
     g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
                    help="profile: the fixed tree per batch size; auto: sized each step by this machine's costs")
-    g.add_argument("--pool-tokens", type=int, default=1 << 16,
-                   help="suffix/hybrid: tokens of recent requests searched for continuations too (default 65536, "
-                        "about 150 MB of index; 0: none)")
-    p.add_argument("--attention-backend", default="flashinfer", help="SGLang attention backend (default flashinfer)")
+    g.add_argument("--pool-tokens", type=int, default=None,
+                   help=f"suffix/hybrid: tokens of recent requests searched for continuations too (default "
+                        f"{DEFAULT_POOL_TOKENS}, about 150 MB of index; 0: none)")
+    p.add_argument("--attention-backend", default=None,
+                   help=f"SGLang attention backend (default {DEFAULT_ATTENTION_BACKEND})")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
                                                                        "graph (default: SGLang's, or --batch-size)")
     p.add_argument("--adaptive", nargs="?", const="", default=None, metavar="CONFIG",
@@ -120,6 +128,21 @@ def check_args(args) -> None:
     if args.target not in (None, "testbed"):
         from sglang_eagle3.models.testbed import check_target_arg
         check_target_arg(args.target)
+
+
+def check_engine_flags(args, engine: str) -> None:
+    """Flags the other engine reads, given to this one: refused in one line (they would be ignored)."""
+    if engine == "builtin":
+        given = [name for name in SGLANG_ONLY if getattr(args, name) is not None]
+        why = "an SGLang flag (--engine sglang); the builtin engine does not read it"
+    else:
+        given = [name for name in BUILTIN_ONLY if getattr(args, name) is not None] + \
+            (["compile"] if getattr(args, "compile", "auto") != "auto" else [])
+        why = "a builtin-engine flag (--engine builtin); SGLang does not read it"
+    if given:
+        picked = " (--engine auto picked it on this machine)" if args.engine == "auto" else ""
+        value = getattr(args, given[0])
+        raise UserError(f"--{given[0].replace('_', '-')}{f' {value}' if value != '' else ''} is {why}{picked}")
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -236,7 +259,9 @@ def build_command(args, settings: Settings, extra: list[str], python: Optional[s
                 "--speculative-num-steps", str(spec.num_steps),
                 "--speculative-eagle-topk", str(spec.topk),
                 "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
-    cmd += ["--attention-backend", args.attention_backend]
+    cmd += ["--attention-backend", args.attention_backend or DEFAULT_ATTENTION_BACKEND]
+    if args.dtype != "auto":
+        cmd += ["--dtype", args.dtype]                  # SGLang's own flag of the same name and values
     graphs = args.cuda_graph_max_bs or args.batch_size
     if graphs is not None:
         cmd += ["--cuda-graph-max-bs-decode", str(graphs)]
@@ -256,7 +281,7 @@ def serve_sglang(args, extra: list[str]) -> int:
         raise UserError(f"--drafter {args.drafter} / --tree {args.tree}: context drafting and per-step trees run in "
                         "the builtin engine (--engine builtin); SGLang drafts with its EAGLE-3 worker")
     embedded = getattr(args, "embedded_target", False) or args.target in (None, "testbed")
-    settings = settings_from_args(args, args.draft, batch_size=args.batch_size or 1)
+    settings = settings_from_args(args, args.draft, batch_size=args.batch_size or 1, device="cuda")   # SGLang: GPUs
     if settings.draft is None and settings.source == "no draft" and args.draft != "none":
         raise UserError("--draft is required with --engine sglang (an EAGLE-3 draft folder or hub id)")
     if embedded:
@@ -291,15 +316,15 @@ def serve_builtin(args, extra: list[str]) -> int:
     sock = None if args.dry_run else bind_port(args.host, args.port)    # held until the server listens on it
     try:
         settings = settings_from_args(args, args.draft, batch_size=1)
-        settings.drafting.pool_tokens = args.pool_tokens if settings.drafting.uses_context else 0
+        settings.drafting.pool_tokens = pool_tokens(args, settings)
         if settings.draft is None and "chooses no speculation" in settings.source:
             print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
         target = resolve_target(args.target)
         check_max_len(target, args.max_len)
         if settings.draft and not args.skip_check:
             run_draft_check(target, settings.draft)
-        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING, args.max_queue, args.max_len,
-                            max_body_mb=args.max_body_mb)
+        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING,
+                            args.max_queue or BUILTIN_MAX_QUEUE, args.max_len, max_body_mb=args.max_body_mb)
         how = settings.describe() + \
             (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
         print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
@@ -311,10 +336,23 @@ def serve_builtin(args, extra: list[str]) -> int:
             sock.close()
 
 
+def pool_tokens(args, settings: Settings) -> int:
+    """--pool-tokens where a context drafter runs (its default there), else 0; given without one: refused."""
+    if settings.drafting.uses_context:
+        return DEFAULT_POOL_TOKENS if args.pool_tokens is None else args.pool_tokens
+    if args.pool_tokens is not None:
+        how = f"drafts with {settings.drafting.drafter}" if settings.speculates else "does not speculate"
+        raise UserError(f"--pool-tokens {args.pool_tokens} applies to the context drafters (--drafter suffix or "
+                        f"hybrid), but this server {how}")
+    return 0
+
+
 def serve(args, extra: Optional[list[str]] = None) -> int:
     extra = list(extra if extra is not None else getattr(args, "sglang_args", []))
     check_args(args)
-    if pick_engine(args) == "builtin":
+    engine = pick_engine(args)
+    check_engine_flags(args, engine)
+    if engine == "builtin":
         return serve_builtin(args, extra)
     return serve_sglang(args, extra)
 
