@@ -146,10 +146,38 @@ def test_the_contention_report_shows_shares_and_checks():
     ct = {"loads": {"idle": {**row(60, 90, 1.0), "vanilla_tokens_per_s_governor_off": 61,
                              "speculative_tokens_per_s_governor_off": 90},
                     "loop": row(33, 40, 0.5), "torch2": row(10, 20, 0.2)},
-          "loadavg_before": (0.1, 0.1, 0.1), "prompts": 2, "max_new_tokens": 16, "governor": True, "cores": 2,
+          "prompts": 2, "max_new_tokens": 16, "governor": True, "cores": 2,
           "idle_governor_on_over_off": {"vanilla": 60 / 61, "speculative": 1.0}}
     text = render({"meta": {"target": "t", "dtype": "bfloat16", "threads": 2}, "contention": ct}, Args())
     assert "| a 1-thread busy loop" in text and "55%" in text
     assert "| beside a 1-thread busy loop: vanilla and speculative keep >= 45% of idle |  NO | 55% / 44% |" in text
     assert "| beside a 2-thread torch job: vanilla and speculative keep >= 25% of idle |  NO | 17% / 22% |" in text
     assert "idle speed with the governor within 3% of without" in text and "0.984x" in text
+
+
+def test_a_long_prompt_decodes_the_same_tokens_on_whatever_threads_the_governor_chose(monkeypatch):
+    """The embedded target, bf16: the prefill of a long prompt runs on the starting thread count (oneDNN's many-row
+    sums depend on it: the first differing token came 44 tokens in), the steps on the governor's."""
+    from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.verify import SamplingParams
+    engine = load_engine("testbed", None, dtype="bfloat16")
+    text = " ".join(f"In year {1900 + i} the town council of Rivermouth met {i % 7 + 2} times and argued about the "
+                    f"bridge, the harbour tax and the school roof." for i in range(40))
+    chat = [{"role": "user", "content": "Summarise this record:\n" + text}]
+    assert len(engine.encode(chat)) > 600
+    params = SamplingParams(max_new_tokens=48)
+    g = T.governor()
+    before = torch.get_num_threads()
+    monkeypatch.setattr(g, "most", 2)
+    monkeypatch.setattr(g, "update", lambda: g.threads)             # pinned: no readings during the test
+    try:
+        g.threads = 2
+        torch.set_num_threads(2)
+        on_two = engine.generate([chat], params)[0][0].token_ids
+        g.threads = 1                                              # as beside a busy process
+        torch.set_num_threads(1)
+        on_one = engine.generate([chat], params)[0][0].token_ids
+    finally:
+        g.threads = g.most
+        torch.set_num_threads(before)
+    assert on_one == on_two

@@ -11,7 +11,6 @@ The thread governor (engine/threads.py) is on unless EAGLE3_ADAPT_THREADS=0; the
 from __future__ import annotations
 
 import atexit
-import os
 import statistics
 import subprocess
 import sys
@@ -93,7 +92,7 @@ def bench_contention(target_model, draft, spec, target_path: str, dtype: str, pr
     for e in engines.values():
         e.generate(chats[:1], SamplingParams(max_new_tokens=8))          # warm-up
     forward = prepared_forward(target_model, context, 8)
-    out = {"loads": {}, "loadavg_before": os.getloadavg(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    out = {"loads": {}, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
            "governor": governor().available, "cores": governor().cores}
     idle_tokens, g = {}, governor()
     for load in tqdm(loads, desc="contention", unit="load"):

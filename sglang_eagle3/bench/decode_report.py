@@ -132,8 +132,8 @@ def _contention_lines(ct) -> list[str]:
                      f"off ({off['vanilla']:.3f}x), speculative {idle['speculative_tokens_per_s']:.1f} vs "
                      f"{idle['speculative_tokens_per_s_governor_off']:.1f} ({off['speculative']:.3f}x)")
     return [f"Beside other processes (batch 1, {ct['prompts']} MT-bench prompts, {ct['max_new_tokens']} tokens; "
-            f"{ct['cores']} cores; thread governor {'on' if ct['governor'] else 'off'}; load average before "
-            f"{ct['loadavg_before'][0]:.2f}). share = speed / idle speed",
+            f"{ct['cores']} cores; thread governor {'on' if ct['governor'] else 'off'}). share = speed / idle speed; "
+            f"others' cores = CPU the other processes took, as the governor read it last (idle: what else ran)",
             format_table(["beside", "vanilla tok/s", "share", "speculative tok/s", "share", "speed-up",
                           "verify(8) ms", "share", "threads", "others' cores", "outputs = idle"], rows), *lines]
 

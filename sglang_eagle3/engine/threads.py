@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -95,6 +96,20 @@ class ThreadGovernor:
         if not on and self.threads != self.most:
             self.threads, self._pending = self.most, None
             self.set_threads(self.most)
+
+    @contextmanager
+    def all_threads(self):
+        """Run a block on the starting thread count: the prefill, whose many-row products (oneDNN) sum in an order
+        that depends on the thread count, so a prompt's tokens would otherwise depend on what else runs. The decode
+        and verify steps' kernels split their work by output columns and give the same sums on any count."""
+        if self.threads == self.most:
+            yield
+            return
+        self.set_threads(self.most)
+        try:
+            yield
+        finally:
+            self.set_threads(self.threads)
 
     def update(self) -> int:
         """Read the counters when interval_s has passed since the last reading; return the thread count in force."""
