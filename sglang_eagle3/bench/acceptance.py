@@ -26,6 +26,7 @@ from collections import Counter
 
 from sglang_eagle3.bench import report, run_cli
 from sglang_eagle3.bench.acceptance_report import TAU_DEFINITION, markdown_report, plot_histograms, tree_text
+from sglang_eagle3.bench.contention import LOADS, start_busy
 from sglang_eagle3.bench.drafters import turn_seed
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
@@ -206,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--beside", default="idle", choices=LOADS,
+                   help="run beside a busy process this benchmark starts and stops itself (bench/contention.py): "
+                        "loop (1-thread busy loop), torch2 (2-thread torch job), generate (a second decode)")
     p.add_argument("--out", required=True, help="results JSON; the table goes to .md and the histogram to _hist.png")
     p.add_argument("--fresh", action="store_true", help="ignore sets already in --out (default: resume them "
                                                        "when the run settings match)")
@@ -238,7 +242,7 @@ def _config(a, target: str, draft: str) -> dict:
     baseline = {"baseline_draft": os.path.abspath(a.baseline_draft)} if a.baseline_draft else {}
     return {"target": target, "draft": draft, **baseline, "dtype": a.dtype, "temperature": a.temperature,
             "seed": a.seed if a.temperature > 0 else None, **({"top_p": a.top_p} if a.top_p < 1 else {}),
-            "n": a.n, "max_new_tokens": a.max_new_tokens,
+            "n": a.n, "max_new_tokens": a.max_new_tokens, **({"beside": a.beside} if a.beside != "idle" else {}),
             "ignore_eos": a.ignore_eos, "compile": a.compile,
             "spec": {"num_steps": a.num_steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens},
             **({"long_context": a.long_context} if getattr(a, "long_context", None) else {})}
@@ -278,6 +282,7 @@ def run(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     draft = bench_draft(a, columns)
+    start_busy(a.beside, resolve_target(a.target), a.dtype)       # killed at exit
     if a.baseline_draft:
         check_baseline(a.baseline_draft, draft)
     sets = resolve_sets([s.strip() for s in a.datasets.split(",") if s.strip()], a.data, built_ok=columns is not None)

@@ -1,7 +1,7 @@
 """bench_decode: what decides speculative decoding speed on this machine (the parts are in bench/decode.py).
 
     python bench/bench_decode.py [--target testbed] [--draft checkpoints/smollm2-135m-eagle3] [--n 6]
-        [--parts speed,step,trees,profile,compile,divergence] [--out results/bench_decode.json]
+        [--parts speed,step,trees,profile,compile,divergence,contention] [--out results/bench_decode.json]
 
 Writes JSON (partial results survive a kill), a Markdown report with the targets marked met / not met, and a PNG
 (tokens/s per runtime, verify cost vs tree size, break-even vs measured acceptance).
@@ -14,6 +14,7 @@ import torch
 
 from sglang_eagle3.bench import decode as D
 from sglang_eagle3.bench import run_cli
+from sglang_eagle3.bench.contention import LOADS as CONTENTION_LOADS
 from sglang_eagle3.bench.decode_report import plot, render
 from sglang_eagle3.bench.report import run_metadata, sibling, write_json_atomic, write_text_atomic
 from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES, load_profile, resolve_dtype
@@ -22,7 +23,7 @@ from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.testbed import resolve_target
 from sglang_eagle3.paths import data_dir, shipped_draft
 
-PARTS = ("speed", "step", "trees", "profile", "llamacpp", "compile", "divergence")
+PARTS = ("speed", "step", "trees", "profile", "llamacpp", "compile", "divergence", "contention")
 FALLBACK_DEMO_TREE = SpecConfig(3, 2, 6)
 
 
@@ -55,22 +56,32 @@ def parser():
     ap.add_argument("--divergence-prompts", type=int, default=100)
     ap.add_argument("--divergence-tokens", type=int, default=64)
     ap.add_argument("--divergence-batch", type=int, default=8)
+    ap.add_argument("--loads", default=",".join(CONTENTION_LOADS),
+                    help=f"contention part: comma-separated of {', '.join(CONTENTION_LOADS)} (idle first: the others "
+                         "are reported as shares of it)")
+    ap.add_argument("--contention-prompts", type=int, default=4, help="MT-bench prompts per load")
     ap.add_argument("--out", default="results/bench_decode.json")
     return ap
 
 
 def run(argv=None) -> int:
-    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.errors import UserError, check_at_least, flags_of
     a = parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype, a.device)
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise UserError(f"--parts {','.join(bad)}: choose from {', '.join(PARTS)}")
+    loads = a.loads.split(",")
+    bad = [x for x in loads if x not in CONTENTION_LOADS]
+    if "contention" in parts and (bad or loads[0] != "idle"):
+        raise UserError(f"--loads {a.loads}: " + (f"choose from {', '.join(CONTENTION_LOADS)}" if bad else
+                                                  "start with idle (the other loads are shares of it)"))
+    check_at_least(1, flags_of(a, "n", "max_new_tokens", "repeats", "tree_prompts", "contention_prompts"))
     torch.set_num_threads(a.threads)
     target = resolve_target(a.target)
     draft = a.draft or shipped_draft()
-    prompts, mixed = D.eval_prompts(a.data, max(a.n, a.tree_prompts), a.divergence_prompts)
+    prompts, mixed = D.eval_prompts(a.data, max(a.n, a.tree_prompts, a.contention_prompts), a.divergence_prompts)
     demo = demo_tree(draft)
     res = {"meta": {**run_metadata(), "target": target, "draft": draft, "dtype": a.dtype, "device": a.device,
                     "threads": a.threads, "demo_tree": [demo.num_steps, demo.topk, demo.num_draft_tokens],
@@ -103,6 +114,16 @@ def run(argv=None) -> int:
         save()
     if "compile" in parts:
         res["compile"] = D.bench_compile(rt, a.context)
+        save()
+    if "contention" in parts:
+        from sglang_eagle3.bench.contention import bench_contention
+        from sglang_eagle3.engine.loader import load_draft
+        from sglang_eagle3.engine.settings import DTYPES
+        spec_draft = load_draft(draft, DTYPES[a.dtype]) if draft else None
+        with extension.using("auto"):
+            res["contention"] = bench_contention(rt.fused, spec_draft, demo, target, a.dtype,
+                                                 prompts[:a.contention_prompts], a.max_new_tokens, a.context,
+                                                 a.repeats, loads)
         save()
     if "divergence" in parts and a.dtype != "float32":
         res["divergence"] = D.divergence(target, draft, a.dtype, mixed, a.divergence_tokens, a.divergence_batch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from sglang_eagle3.bench import decode as D
+from sglang_eagle3.bench.contention import LOAD_TEXT
 from sglang_eagle3.bench.report import format_table, save_figure, subplots
 
 # fused-avx512 / fused-amx on AMX CPUs, fused-avx2 on AVX-512F CPUs without BF16: the few-row kernel fused does not use
@@ -104,10 +105,53 @@ def render(res, a) -> str:
     if dv:
         out += ["", f"{dv['dtype']}: speculative vs vanilla greedy outputs differ on {dv['differ']}/{dv['prompts']} "
                     f"prompts ({dv['per_100']:.1f} per 100, {dv['tokens_each']} tokens each; numerical near-ties)"]
+    ct = res.get("contention")
+    if ct:
+        out += ["", *_contention_lines(ct)]
+        checks += _contention_checks(ct)
     if checks:
         out += ["", "Targets", format_table(["target", "met", "measured"],
                                             [[n, "yes" if ok else "NO", v] for n, ok, v in checks])]
     return "\n".join(out)
+
+
+def _contention_lines(ct) -> list[str]:
+    rows = []
+    for load, r in ct["loads"].items():
+        rows.append([LOAD_TEXT.get(load, load), f"{r['vanilla_tokens_per_s']:.1f}", f"{100 * r['vanilla_share']:.0f}%",
+                     f"{r['speculative_tokens_per_s']:.1f}", f"{100 * r['speculative_share']:.0f}%",
+                     f"{r['speedup']:.2f}x", _ms(r["verify8_s"]), f"{100 * r['verify8_share']:.0f}%", str(r["threads"]),
+                     f"{r['other_cores']:.2f}", f"{r['identical_to_idle']['vanilla']}+"
+                                                f"{r['identical_to_idle']['speculative']}/{2 * ct['prompts']}"])
+    lines = []
+    off = ct.get("idle_governor_on_over_off")
+    if off:
+        idle = ct["loads"]["idle"]
+        lines.append(f"Idle, the governor's own cost (alternated per prompt): vanilla "
+                     f"{idle['vanilla_tokens_per_s']:.1f} on vs {idle['vanilla_tokens_per_s_governor_off']:.1f} tok/s "
+                     f"off ({off['vanilla']:.3f}x), speculative {idle['speculative_tokens_per_s']:.1f} vs "
+                     f"{idle['speculative_tokens_per_s_governor_off']:.1f} ({off['speculative']:.3f}x)")
+    return [f"Beside other processes (batch 1, {ct['prompts']} MT-bench prompts, {ct['max_new_tokens']} tokens; "
+            f"{ct['cores']} cores; thread governor {'on' if ct['governor'] else 'off'}). share = speed / idle speed; "
+            f"others' cores = CPU the other processes took, as the governor read it last (idle: what else ran)",
+            format_table(["beside", "vanilla tok/s", "share", "speculative tok/s", "share", "speed-up",
+                          "verify(8) ms", "share", "threads", "others' cores", "outputs = idle"], rows), *lines]
+
+
+def _contention_checks(ct) -> list:
+    out = []
+    off = ct.get("idle_governor_on_over_off")
+    if off:
+        worst = min(off.values())
+        out.append(("idle speed with the governor within 3% of without", worst >= 0.97, f"{worst:.3f}x"))
+    for load, r in ct["loads"].items():
+        floor = 0.45 if load == "loop" else 0.25
+        if load == "idle":
+            continue
+        worst = min(r["vanilla_share"], r["speculative_share"])
+        out.append((f"beside {LOAD_TEXT.get(load, load)}: vanilla and speculative keep >= {floor:.0%} of idle",
+                    worst >= floor, f"{100 * r['vanilla_share']:.0f}% / {100 * r['speculative_share']:.0f}%"))
+    return out
 
 
 def _gflops_line(st) -> str:
@@ -120,7 +164,18 @@ def _gflops_line(st) -> str:
 
 
 def plot(res, path):
-    fig, axes = subplots(1, 3, figsize=(16, 4.2))
+    ct = res.get("contention")
+    fig, axes = subplots(1, 4 if ct else 3, figsize=(21 if ct else 16, 4.2))
+    if ct:
+        loads = list(ct["loads"])
+        x = list(range(len(loads)))
+        for j, (key, label) in enumerate((("vanilla_share", "vanilla"), ("speculative_share", "speculative"),
+                                          ("verify8_share", "8-token verify"))):
+            axes[3].bar([i + (j - 1) * 0.27 for i in x], [100 * ct["loads"][k][key] for k in loads], 0.27, label=label)
+        axes[3].axhline(50, color="grey", lw=0.8, ls="--")
+        axes[3].set_xticks(x, loads)
+        axes[3].set(ylabel="% of idle speed", title="Beside other busy processes")
+        axes[3].legend()
     s = res.get("speed")
     if s:
         names = ["transformers", "eager", "fused"]

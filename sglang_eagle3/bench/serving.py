@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from sglang_eagle3.bench import report
+from sglang_eagle3.bench.contention import LOAD_TEXT, LOADS, start_busy, stop_busy
 from sglang_eagle3.bench.drafters import parse_drafters
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take (default 1800)")
+    p.add_argument("--beside", default="idle", choices=LOADS,
+                   help="measure beside a busy process this benchmark starts once the servers are up and stops at the "
+                        "end (bench/contention.py): loop, torch2 or generate")
     p.add_argument("--out", default="results/bench_serving.json")
     return p
 
@@ -282,7 +286,7 @@ def run(argv=None) -> int:
         raise UserError("--concurrency levels must be >= 1")
     if bool(a.url) == bool(a.start):
         raise UserError("give --url NAME=URL (one or more running servers) or --start builtin")
-    servers, started = [], []
+    servers, started, load = [], [], None
     for item in a.url:                         # each one answers before any data is read
         name, _, url = item.partition("=")
         if not url:
@@ -308,11 +312,14 @@ def run(argv=None) -> int:
                 servers.append({"name": name, "url": srv.url})
             for s in servers:
                 s["model"] = server_model(s["url"], f"the {s['name']} server started here")
+        load = start_busy(a.beside, a.target if a.start else "testbed", a.dtype)
         result = {"format": "sglang_eagle3.bench_serving/1", "servers": servers, "concurrency": levels,
                   "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,
+                  "beside": a.beside,
                   "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
                   "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
-                           f", max_tokens {a.max_tokens}, T={a.temperature:g}"}
+                           f", max_tokens {a.max_tokens}, T={a.temperature:g}"
+                           + ("" if a.beside == "idle" else f", beside {LOAD_TEXT[a.beside]}")}
         warm = max(4, 2 * levels[0])
         for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)
             check_warm_up(s, asyncio.run(run_level(s["url"], s["model"], prompts[::-1][:warm], levels[0], warm,
@@ -330,6 +337,7 @@ def run(argv=None) -> int:
                       file=sys.stderr, flush=True)
             report.write_json_atomic(a.out, result)
     finally:
+        stop_busy(load)
         for srv in started:
             srv.stop()
     text = f"{result['title']}\n\n{table(result)}\n"

@@ -21,6 +21,7 @@ from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, load_or_meas
 from sglang_eagle3.engine.spec_worker import MAX_CONTEXT_NODES, SpecWorker, StepTimes
 from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
 from sglang_eagle3.engine.suffix import ContextDrafter
+from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 from sglang_eagle3.errors import UserError
 
@@ -216,6 +217,7 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit -> one step for all running rows -> process results -> free rows."""
+        governor().update()                       # threads fit the cores other processes leave free
         for req in self.running:
             if req.cancelled and not req.finished:
                 req.finish_reason = "cancelled"

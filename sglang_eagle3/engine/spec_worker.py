@@ -27,6 +27,7 @@ from torch.profiler import record_function
 
 from sglang_eagle3.engine.cost_model import TreePlanner
 from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.engine.tree import (
     DraftTree,
     add_proposals,
@@ -124,6 +125,11 @@ class SpecWorker:
     def prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> tuple[int, float, Optional[TokenLogprob]]:
         """Run the prompt into `row`; returns (first token, seconds, its log-prob entry if params ask for one)."""
+        with governor().all_threads():           # a prompt's numbers must not depend on the thread count
+            return self._prefill(row, prompt_ids, params, generator)
+
+    def _prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,
+                 generator: Optional[torch.Generator]) -> tuple[int, float, Optional[TokenLogprob]]:
         t0 = time.perf_counter()
         dev = self.target.device
         rows = torch.tensor([row], device=dev)

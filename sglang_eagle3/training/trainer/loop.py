@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.models.config import ConfigError
 from sglang_eagle3.models.draft import Eagle3DraftModel
 from sglang_eagle3.models.target_head import load_target_head
@@ -247,6 +248,8 @@ class Trainer:
             self._log_eval(0, logger, bar)       # the warm start's own score on this run's held-out rows
         self.backend.train(True)
         for step in range(start, self.total_steps):
+            if self.device.type == "cpu":
+                governor().update()          # threads fit the cores other processes leave free
             t0 = time.perf_counter()
             micro = self.sampler.micro_batches(step)
             local = torch.zeros(2 * K + 4, dtype=torch.float64)
