@@ -282,8 +282,6 @@ def check_args(args) -> None:
     from sglang_eagle3.engine.verify import SamplingParams
     if (args.server is None) == (args.target is None):
         raise UserError("give exactly one of --target (in-process engine) or --server (OpenAI-compatible URL)")
-    inputs = [s.path for s in parse_sources(args.inputs, args.format) if not s.is_hub]
-    check_apart(written_files(args.out), {"input": inputs, "--target": args.target, "--draft": args.draft})
     check_at_least(1, flags_of(args, "batch_size", "max_new_tokens", "concurrency", "write_every", "max_turns",
                                "max_rows", "max_prompt_chars"))
     for flag, value, ok, rule in (("--time-budget", args.time_budget, args.time_budget is None or args.time_budget > 0,
@@ -306,6 +304,8 @@ def check_args(args) -> None:
         check_device(args.device)
         if args.model is not None:
             raise UserError("--model names a model on --server; the in-process engine runs --target")
+    inputs = [s.path for s in parse_sources(args.inputs, args.format) if not s.is_hub]     # flags first, then files
+    check_apart(written_files(args.out), {"input": inputs, "--target": args.target, "--draft": args.draft})
 
 
 def run(args) -> int:
