@@ -79,7 +79,6 @@ class ThreadGovernor:
         wanted = os.environ.get("EAGLE3_ADAPT_THREADS", "1") != "0" and self.most > 1
         self.threads = self.most
         self.other_cores = 0.0                                  # the last reading
-        self.changes = 0
         self._last = self.reader() if wanted else None
         self._pending: Optional[int] = None
         self.available = self._last is not None                 # on, and /proc readable
@@ -131,7 +130,6 @@ class ThreadGovernor:
         elif want == self._pending:               # two readings in a row agree
             self.threads, self._pending = want, None
             self.set_threads(want)
-            self.changes += 1
         else:
             self._pending = want
         return self.threads
