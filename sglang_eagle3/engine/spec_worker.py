@@ -19,6 +19,7 @@ hidden state / logits. Nothing is copied when requests come and go.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -125,7 +126,8 @@ class SpecWorker:
     def prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> tuple[int, float, Optional[TokenLogprob]]:
         """Run the prompt into `row`; returns (first token, seconds, its log-prob entry if params ask for one)."""
-        with governor().all_threads():           # a prompt's numbers must not depend on the thread count
+        fixed = governor().all_threads() if self.target.prefill_depends_on_threads else nullcontext()
+        with fixed:                               # a prompt's numbers must not depend on the thread count
             return self._prefill(row, prompt_ids, params, generator)
 
     def _prefill(self, row: int, prompt_ids: Sequence[int], params: SamplingParams,

@@ -98,9 +98,10 @@ class ThreadGovernor:
 
     @contextmanager
     def all_threads(self):
-        """Run a block on the starting thread count: the prefill, whose many-row products (oneDNN) sum in an order
-        that depends on the thread count, so a prompt's tokens would otherwise depend on what else runs. The decode
-        and verify steps' kernels split their work by output columns and give the same sums on any count."""
+        """Run a block on the starting thread count: the prefill where its many-row products (oneDNN) sum in an
+        order that depends on the thread count (TargetModel.prefill_depends_on_threads), so a prompt's tokens would
+        otherwise depend on what else runs. The decode and verify steps' kernels, and the widening kernels that serve
+        every row count on CPUs without native bf16, split their work by output columns: the same sums on any count."""
         if self.threads == self.most:
             yield
             return

@@ -83,6 +83,12 @@ class PackedLinear:
         self.bias32 = None if self.bias is None else self.bias.float()
         self.weight = None if pack or only_copy else weight  # no unpacked copy when packed
 
+    @property
+    def sums_depend_on_threads(self) -> bool:
+        """Some row count goes to oneDNN or F.linear, whose sums may follow the thread count; the few-row kernels
+        split by output columns and give the same sums on any count (a widening-only copy serves every row count)."""
+        return self.packed is not None or self.weight is not None
+
     def __call__(self, x: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)

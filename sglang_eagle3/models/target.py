@@ -95,6 +95,13 @@ class TargetModel(nn.Module):
         return cls(hf, tok, aux_layer_ids).eval()
 
     @property
+    def prefill_depends_on_threads(self) -> bool:
+        """A prompt's forward runs a product whose sums may follow the thread count (oneDNN or F.linear for many rows):
+        the engine then runs it on a fixed count."""
+        linears = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down)]
+        return any(lin.sums_depend_on_threads for lin in linears + [self.lm_head_packed])
+
+    @property
     def device(self):
         return self.embed_tokens.weight.device
 
