@@ -2,11 +2,13 @@
 
 Each load runs vanilla and speculative decoding (batch 1, alternated per prompt) and an 8-token verify forward, and
 reports each as a share of its idle speed. Loads:
-  idle      nothing else started (whatever else runs on the machine is recorded as the load average before)
+  idle      nothing else started (what else runs shows as the governor's reading of the others' cores); here the
+            governor is also switched off and on alternately, to measure its own cost
   loop      one single-threaded Python busy loop
   torch2    a two-thread torch matmul loop (another model computing on the machine)
   generate  a second process decoding with this package's engine (vanilla, batch 1) in a loop
-The thread governor (engine/threads.py) is on unless EAGLE3_ADAPT_THREADS=0; the threads it chose are recorded.
+The thread governor (engine/threads.py) is on unless EAGLE3_ADAPT_THREADS=0; the threads it chose and the cores it
+saw the others take are recorded.
 """
 from __future__ import annotations
 
