@@ -453,11 +453,17 @@ def test_prepare_template_errors_stop_or_skip(tmp_path):
     assert stats["total"]["kept"] == 1 and stats["total"]["dropped"] == 1
 
 
-def test_cli_prepare_data_and_errors(tmp_path, capsys):
-    from sglang_eagle3.cli import main
+def gsm_inputs(tmp_path):
+    """A tokenizer folder and a five-row GSM8K-style file: prepare-data's inputs in the command-line tests."""
     tok_dir = tmp_path / "tok"
     tiny_tokenizer("llama3").save_pretrained(tok_dir)
-    p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?", "answer": "The answer is 4."}] * 5)
+    return tok_dir, write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?",
+                                                          "answer": "The answer is 4."}] * 5)
+
+
+def test_cli_prepare_data_and_errors(tmp_path, capsys):
+    from sglang_eagle3.cli import main
+    tok_dir, p = gsm_inputs(tmp_path)
     out = tmp_path / "ds"
     assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet",
                  "--draft-vocab-size", "16"]) == 0
@@ -504,9 +510,7 @@ def test_prepare_data_overwrite_replaces_the_data_set_only(tmp_path, capsys):
     """--overwrite replaces the data set's files (data.arrow, stats.json, the vocabulary built from them) and keeps
     a user's files, naming them; an --out that is a file is refused, not replaced by a folder."""
     from sglang_eagle3.cli import main
-    tok_dir = tmp_path / "tok"
-    tiny_tokenizer("llama3").save_pretrained(tok_dir)
-    p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?", "answer": "The answer is 4."}] * 5)
+    tok_dir, p = gsm_inputs(tmp_path)
     out = tmp_path / "ds"
     assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(out), "--quiet",
                  "--draft-vocab-size", "16"]) == 0
@@ -527,9 +531,7 @@ def test_prepare_data_overwrite_replaces_the_data_set_only(tmp_path, capsys):
 def test_prepared_files_get_the_usual_permissions(tmp_path):
     """The vocabulary file follows the umask like every other file (safetensors' save_file made it 0600)."""
     from sglang_eagle3.cli import main
-    tok_dir = tmp_path / "tok"
-    tiny_tokenizer("llama3").save_pretrained(tok_dir)
-    p = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 2?", "answer": "The answer is 4."}] * 5)
+    tok_dir, p = gsm_inputs(tmp_path)
     old = os.umask(0o022)
     try:
         assert main(["prepare-data", p, "--target", str(tok_dir), "--out", str(tmp_path / "ds"), "--quiet",
