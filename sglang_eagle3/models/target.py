@@ -83,6 +83,10 @@ class TargetModel(nn.Module):
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_model.lm_head                      # the module (training reads it); decoding uses:
         self.lm_head_packed = K.PackedLinear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
+        # a prompt's forward runs a product whose sums may follow the thread count (oneDNN or F.linear for many
+        # rows): the engine then runs it on a fixed count
+        linears = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down)]
+        self.prefill_depends_on_threads = any(lin.sums_depend_on_threads for lin in linears + [self.lm_head_packed])
         self._layer_step_ok: dict[str, bool] = {}          # kernel mode -> csrc's layer_step serves decode steps
         self.requires_grad_(False)
 
@@ -93,13 +97,6 @@ class TargetModel(nn.Module):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(path)
         return cls(hf, tok, aux_layer_ids).eval()
-
-    @property
-    def prefill_depends_on_threads(self) -> bool:
-        """A prompt's forward runs a product whose sums may follow the thread count (oneDNN or F.linear for many rows):
-        the engine then runs it on a fixed count."""
-        linears = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down)]
-        return any(lin.sums_depend_on_threads for lin in linears + [self.lm_head_packed])
 
     @property
     def device(self):
