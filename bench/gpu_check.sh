@@ -8,6 +8,6 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU:', torch.cuda.get_device_name())"
-$PY -m pytest -q -x tests/test_gpu.py 2>&1 | tail -3
+$PY -m pytest -q -x tests/engine/test_gpu.py 2>&1 | tail -3
 timeout 420 $PY bench/bench_decode.py --device cuda --dtype bfloat16 --parts speed,step --n 4 --max-new-tokens 64 \
     --tree-sizes 1,4,8,16,32,64 --repeats 20 --out "$OUT/bench_decode_gpu.json"

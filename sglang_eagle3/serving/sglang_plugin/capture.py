@@ -27,7 +27,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Decoder layers called as layer(positions, hidden_states, forward_batch[, residual]); each was checked
-# on CPU against transformers' output_hidden_states (tests/test_sglang_plugin.py). Not every class
+# on CPU against transformers' output_hidden_states (tests/serving/test_sglang_plugin.py). Not every class
 # lacking the setter qualifies: those whose layers keep the residual in SGLang's batch-level residual
 # stream (Mixtral, ...) do not see the full stream in their arguments, and that check fails for them.
 HOOKED_ARCHITECTURES = (

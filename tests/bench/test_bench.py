@@ -594,7 +594,7 @@ def test_bench_decode_end_to_end_on_a_tiny_target(env, tmp_path):
     draft's tuned batch-1 tree as the demo tree."""
     import importlib.util
     import shutil
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(root, "bench", "bench_decode.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -20,7 +20,7 @@ from sglang_eagle3.models.config import Eagle3Config
 from sglang_eagle3.models.draft import Eagle3DraftModel
 from sglang_eagle3.serving import launcher, sglang_compat
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROFILE = {"per_batch_size": {"1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
                               "8": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6},
                               "32": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}}

@@ -26,7 +26,7 @@ from sglang_eagle3.training.trainer.logs import read_metrics
 from sglang_eagle3.training.trainer.loop import Trainer
 from sglang_eagle3.training.trainer.run_config import TrainConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "train", "train_eagle3.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS, K = 40, 3

@@ -13,7 +13,7 @@ import pytest
 
 from sglang_eagle3.kernels import extension
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOUND_OPS = {"pack_bf16", "linear_bf16", "few_row_isa", "few_row_kernels", "pack_amx", "amx_usable", "layer_step",
              "draft_layer", "tree_attention", "qkv_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "topk_logprobs",
              "build_tree", "accept_greedy", "accept_sampling", "soft_ce_forward", "soft_ce_backward",
@@ -84,7 +84,7 @@ def test_an_avx512f_build_passes_the_bit_exactness_tests():
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert json.loads(probe.stdout.strip().splitlines()[-1]) == [["avx512f", "avx2"], "avx512f", False]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", AVX512F_BUILD_TESTS,
-                          os.path.join(ROOT, "tests", "test_target.py")], env=env, cwd=ROOT, capture_output=True,
+                          os.path.join(ROOT, "tests", "models", "test_target.py")], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=1800)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

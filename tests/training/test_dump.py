@@ -12,7 +12,7 @@ from sglang_eagle3.training import hidden_dump as hd
 from sglang_eagle3.training.dump_reader import DumpError, HiddenStateDump
 from sglang_eagle3.training.hidden_dump import dump_hidden_states
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, HIDDEN, LAYERS = 64, 32, 8
 
 
