@@ -17,7 +17,7 @@ plus the keys of steps 1..k at position t only (the chain's own earlier steps). 
 causal scores and normalised with a single softmax, so memory is O(T*T + T*steps) per step instead
 of O(T*T*steps) for an explicit [T*steps, T*steps] mask. Step 0 runs every position (its keys are the
 context of every later query); steps k >= 1 run only the chains some step >= k still scores, so a chain that
-would end inside a prompt costs one step, not seven (a third fewer draft-layer positions on real chat rows).
+would end inside a prompt costs one step, not seven.
 
 Step loss: soft cross-entropy against the target's softmax restricted to the draft vocabulary
 (target logits gathered at the draft's target ids, then softmax), over positions whose loss_mask
@@ -28,9 +28,10 @@ the target's greedy pick (what T=0 serving accepts), 1 (default) the references'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +41,47 @@ from sglang_eagle3.kernels.training import draft_vocab_distribution, soft_cross_
 from sglang_eagle3.models.draft import linear_rows
 
 FEATURES = ("fused", "top")
+
+
+@dataclass(frozen=True)
+class TTTSettings:
+    """How TTT trains a draft; one per run (the trainer fills it from its flags)."""
+    ttt_length: int = 7                      # draft steps per chain (K)
+    step_decay: float = 0.8                  # the loss is sum_k step_decay^k * loss_k
+    features: str = "fused"                  # step 0's input: "fused" aux_hidden_states, "top" last_hidden
+    feature_loss_weight: float = 0.0         # > 0: + smooth-L1(step-0 draft hidden at t, target last_hidden at t+1)
+    # Step k at base position t is scored where loss_mask[t + k + offset] is set. 1 (ours): the mask of the position
+    # whose distribution is learned, i.e. the chains the engine drafts after an accepted assistant token; 0: the
+    # EAGLE-3 authors' and SpecForge's convention (one earlier).
+    loss_mask_offset: int = 1
+    # Each step learns softmax(target logits / T) over the draft vocabulary (sharpen_target; 0: one-hot at the
+    # target's pick); accuracies always count the target's own argmax.
+    target_temperature: float = 1.0
+    fused_ce: bool = True                    # one-pass soft cross-entropy (False: log_softmax, multiply, sum; slower)
+    # Steps k >= 1 grow every chain (True: the same loss, more FLOPs, no gathers) or only those a later step scores
+    # (False: chains_to_grow); None: grow_every_chain_default(device).
+    grow_every_chain: Optional[bool] = None
+
+
+@dataclass
+class TTTBatch:
+    """One TTT batch: rows right-padded to T, or (row_lengths) rows packed end to end in one sequence (B == 1,
+    no padding). Packed rows keep their own RoPE positions and attention, chains never cross into the next row,
+    and the loss is the mean over rows of each row's own: the same loss and gradients as the rows run one by one
+    and averaged (gradient accumulation), with R times larger matrix products."""
+    input_ids: torch.Tensor                              # [B, T]
+    loss_mask: torch.Tensor                              # [B, T] 1: a token the draft learns (assistant)
+    last_hidden: torch.Tensor                            # [B, T, Ht] the target's, after its final norm
+    aux_hidden_states: Optional[torch.Tensor] = None     # [B, T, n_aux*Ht] the target's aux layers' inputs
+    attention_mask: Optional[torch.Tensor] = None        # [B, T] 0: padding (None: no padding)
+    row_lengths: Optional[list[int]] = None              # [R] the lengths of the rows packed into B == 1
+
+    @classmethod
+    def from_dict(cls, batch: dict) -> TTTBatch:
+        """A collated batch dict (trainer/data.py: collate, pack; row_lengths [R] when packed)."""
+        lengths = batch.get("row_lengths")
+        return cls(batch["input_ids"], batch["loss_mask"], batch["last_hidden"], batch.get("aux_hidden_states"),
+                   batch.get("attention_mask"), None if lengths is None else lengths.tolist())
 
 
 @torch.no_grad()
@@ -153,38 +195,294 @@ class TTTAttention:
         return out.reshape(B, nH, Lq, D)
 
 
+@dataclass
+class TTTCounters:
+    """Summable counts of TTT runs: add them over micro-batches and steps (+) and over ranks (all_reduced), then read
+    metrics(). ttt_forward fills the accuracy and acceptance counts; the trainer adds its losses and tokens."""
+    step_correct: torch.Tensor    # [K] positions where the draft's argmax == the target's argmax, per step
+    step_count: torch.Tensor      # [K] positions counted for accuracy (a token the draft learns), per step
+    accept_sum: torch.Tensor      # [] over chain starts: the consecutive correct steps from each
+    accept_count: torch.Tensor    # [] chain starts
+    loss_sum: float = 0.0         # summed losses (a training step's: the mean over its micro-batches; eval: a row's)
+    losses: float = 0.0           # how many losses loss_sum holds
+    tokens: float = 0.0           # tokens trained on
+
+    @classmethod
+    def zeros(cls, ttt_length: int) -> TTTCounters:
+        return cls.unpacked(torch.zeros(2 * ttt_length + 5, dtype=torch.float64))
+
+    def packed(self) -> torch.Tensor:
+        """[2K + 5] float64 on the counts' device: every field end to end, one tensor to copy or all-reduce."""
+        steps = torch.cat([self.step_correct, self.step_count, self.accept_sum.view(1), self.accept_count.view(1)])
+        scalars = torch.tensor([self.loss_sum, self.losses, self.tokens], dtype=torch.float64, device=steps.device)
+        return torch.cat([steps.double(), scalars])
+
+    @classmethod
+    def unpacked(cls, flat: torch.Tensor) -> TTTCounters:
+        K = (flat.numel() - 5) // 2
+        correct, count, accept, scalars = flat.split([K, K, 2, 3])
+        return cls(correct, count, accept[0], accept[1], *scalars.tolist())
+
+    def __add__(self, other: TTTCounters) -> TTTCounters:
+        return TTTCounters.unpacked(self.packed() + other.packed())
+
+    def cpu(self) -> TTTCounters:
+        """float64 on the CPU, in one device-to-host copy."""
+        return TTTCounters.unpacked(self.packed().cpu())
+
+    def all_reduced(self, device: torch.device) -> TTTCounters:
+        """The sum over all ranks, on the CPU: one all_reduce of the packed counts on device (NCCL reduces GPU
+        tensors only); without torch.distributed, these counts."""
+        flat = self.packed().to(device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat)
+        return TTTCounters.unpacked(flat.cpu())
+
+    def metrics(self) -> dict:
+        """acc_0..acc_{K-1} and the simulated acceptance length (1 bonus token + accepted draft tokens)."""
+        out = {f"acc_{k}": float(correct / count) if count > 0 else float("nan")
+               for k, (correct, count) in enumerate(zip(self.step_correct, self.step_count))}
+        out["accept_length"] = (1.0 + float(self.accept_sum / self.accept_count) if self.accept_count > 0
+                                else float("nan"))
+        return out
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.losses if self.losses else float("nan")
 
 
 @dataclass
 class TTTOutput:
-    """Loss plus summable counters (add them over batches / ranks, then call `metrics`)."""
-    loss: torch.Tensor            # scalar, differentiable
-    step_loss: torch.Tensor       # [K] detached per-step losses (0 where a step had no valid position)
-    step_correct: torch.Tensor    # [K] positions where draft argmax == target argmax
-    step_count: torch.Tensor      # [K] positions scored for accuracy (loss_mask at the predicted token)
-    accept_sum: torch.Tensor      # scalar: sum over chain starts of consecutive correct steps
-    accept_count: torch.Tensor    # scalar: number of chain starts
-    feature_loss: Optional[torch.Tensor] = None
-
-    def counters(self) -> torch.Tensor:
-        """[2K + 2] float64 vector for all-reduce: correct, count, accept_sum, accept_count."""
-        return torch.cat([self.step_correct, self.step_count,
-                          self.accept_sum.view(1), self.accept_count.view(1)]).double()
+    """ttt_forward's result: the loss to train and what to log."""
+    loss: torch.Tensor                            # [] differentiable: sum_k decay^k loss_k (+ the feature loss)
+    step_loss: torch.Tensor                       # [K] detached per-step losses (0 where a step had no position)
+    counters: TTTCounters                         # accuracy and acceptance counts of this batch
+    feature_loss: Optional[torch.Tensor] = None   # [] detached
 
 
-def metrics_from_counters(c: torch.Tensor) -> dict:
-    """acc_0..acc_{K-1} and the simulated acceptance length (1 bonus token + accepted draft tokens)."""
-    K = (c.numel() - 2) // 2
-    correct, count = c[:K], c[K:2 * K]
-    out = {f"acc_{k}": float(correct[k] / count[k]) if count[k] > 0 else float("nan") for k in range(K)}
-    out["accept_length"] = 1.0 + float(c[2 * K] / c[2 * K + 1]) if c[2 * K + 1] > 0 else float("nan")
-    return out
+@dataclass
+class BatchRows:
+    """The rows of a batch: B right-padded ones, or rows packed end to end into B == 1."""
+    row_id: Optional[torch.Tensor]   # [B, T] the packed row of each position (None: not packed)
+    positions: torch.Tensor          # [B, T] RoPE positions, restarting at every packed row
+    count: int                       # rows (B, or the packed rows)
 
 
-def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Tensor:
+@dataclass
+class TTTTargets:
+    """What the steps learn at the N positions some step scores, and the target's own pick there."""
+    p: torch.Tensor           # [N, Vd] softmax over the draft vocabulary (sharpened by target_temperature)
+    p_row: torch.Tensor       # [B, T] position -> its row of p (0 where no step scores it)
+    top: torch.Tensor         # [B, T] the target's argmax, a target id (-1 where no step scores it)
+    in_vocab: torch.Tensor    # [B, T] the target's argmax is in the draft vocabulary
+    draft_ids: torch.Tensor   # [Vd] draft id -> target id
+
+
+@dataclass
+class StepInputs:
+    """What every TTT step of one batch reads."""
+    settings: TTTSettings
+    input_ids: torch.Tensor               # [B, T]
+    last_hidden: torch.Tensor             # [B, T, Ht]
+    valid: torch.Tensor                   # [B, T] a token the draft learns (loss_mask, not padding)
+    needed: torch.Tensor                  # [B, T] a position some step scores
+    rows: BatchRows
+    targets: TTTTargets
+    attend: TTTAttention
+    grown: list[Optional[torch.Tensor]]   # per step: the base positions [T_k] it grows (None: all, step 0)
+
+
+@dataclass
+class StepPositions:
+    """Step k's base positions t, those with a token x_{t+k+1} that a chain reaches: pick indexes dim 1."""
+    k: int
+    n: int                                # T - k - 1: base positions with a token x_{t+k+1}
+    pick: Union[slice, torch.Tensor]      # step 0: slice(None, n); later: the chains it grows, cols [T_k] (sorted)
+
+    @classmethod
+    def of(cls, k: int, grown: list[Optional[torch.Tensor]], T: int) -> Optional[StepPositions]:
+        """None: no chain reaches step k (the sets shrink with k, so none reaches a later step either)."""
+        n, cols = T - k - 1, grown[k]
+        if n <= 0 or (cols is not None and cols.numel() == 0):
+            return None
+        return cls(k, n, slice(None, n) if cols is None else cols)
+
+    def shifted(self, x: torch.Tensor, by: int) -> torch.Tensor:
+        """x [B, T, ...] at t + by for the base positions t: [B, T_k, ...]."""
+        return x[:, by:by + self.n][:, self.pick]
+
+    def ahead(self, x: torch.Tensor) -> torch.Tensor:
+        """x at t + k + 1: the step's input token and the position whose distribution it learns."""
+        return self.shifted(x, self.k + 1)
+
+
+@dataclass
+class StepResult:
+    """One TTT step's loss and counts."""
+    loss: torch.Tensor                            # [] differentiable
+    correct: torch.Tensor                         # [] positions where the draft's argmax == the target's
+    count: torch.Tensor                           # [] positions counted for accuracy
+    accepted: torch.Tensor                        # [] chains accepted at every step so far
+    feature_loss: Optional[torch.Tensor] = None   # [] step 0 with feature_loss_weight > 0
+
+
+def ttt_forward(draft, batch: TTTBatch, lm_head: nn.Module, settings: TTTSettings = TTTSettings()) -> TTTOutput:
+    """EAGLE-3 training-time test on one batch: settings.ttt_length draft steps from every base position, their
+    loss and their accuracy and acceptance counts. lm_head: the target's (frozen)."""
+    inputs = step_inputs(draft, batch, lm_head, settings)
+    hidden = _features(draft, batch, settings.features)                 # [B, T, H] step 0's hidden inputs
+    alive = None                                                        # [B, T_k] chains accepted at every step
+    steps = []
+    for k in range(settings.ttt_length):
+        step, hidden, alive = ttt_step(draft, k, hidden, alive, inputs)
+        steps.append(step)
+    return ttt_output(steps, settings)
+
+
+def step_inputs(draft, batch: TTTBatch, lm_head: nn.Module, settings: TTTSettings) -> StepInputs:
+    """Checks the batch; -> its masks, rows, the target's distributions, the attention and the chains each step
+    grows."""
+    B, T = batch.input_ids.shape
+    dev = batch.input_ids.device
+    if T < 2:
+        raise ValueError(f"training rows need at least 2 tokens (a feature and the next token), got T={T}")
+    if settings.loss_mask_offset not in (0, 1):
+        raise ValueError(f"loss_mask_offset must be 0 or 1, got {settings.loss_mask_offset}")
+    key_valid = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
+    valid = batch.loss_mask.bool() & key_valid.bool()                   # [B, T] token may be predicted
+    rows = _packed_rows(batch.row_lengths, B, T, dev)
+    # Only positions some step scores or counts need the target's distribution and the draft's logits
+    # (prompt tokens, padding and the tail of cut rows do not): gather them once, skip the rest.
+    needed = valid.clone()                                              # [B, T] target position s
+    if settings.loss_mask_offset == 0:
+        needed[:, 1:] |= valid[:, :-1]                                  # gated by the mask one earlier
+    targets = learned_targets(draft, lm_head, batch.last_hidden, needed, settings.target_temperature)
+    grow_all = settings.grow_every_chain
+    if grow_all is None:
+        grow_all = grow_every_chain_default(dev)
+    grown = chains_to_grow(torch.ones_like(needed) if grow_all else needed, settings.ttt_length)
+    return StepInputs(settings, batch.input_ids, batch.last_hidden, valid, needed, rows, targets,
+                      TTTAttention(key_valid.bool(), batch.row_lengths), grown)
+
+
+def learned_targets(draft, lm_head: nn.Module, last_hidden: torch.Tensor, needed: torch.Tensor,
+                    temperature: float) -> TTTTargets:
+    """The target's distribution over the draft vocabulary at the needed [B, T] positions only."""
+    B, T = needed.shape
+    dev = needed.device
+    draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
+    p, top_needed = target_distribution(last_hidden[needed], lm_head, draft_ids)   # [N, Vd], [N]
+    p = sharpen_target(p, temperature)
+    p_row = torch.zeros(B, T, dtype=torch.long, device=dev)
+    p_row[needed] = torch.arange(p.shape[0], device=dev)
+    top = torch.full((B, T), -1, dtype=torch.long, device=dev)
+    top[needed] = top_needed
+    in_vocab = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    in_vocab[needed] = draft.t2d[top_needed]
+    return TTTTargets(p, p_row, top, in_vocab, draft_ids)
+
+
+def ttt_step(draft, k: int, hidden: torch.Tensor, alive: Optional[torch.Tensor],
+             s: StepInputs) -> tuple[Optional[StepResult], torch.Tensor, Optional[torch.Tensor]]:
+    """Step k grows each chain by one token: at base position t it feeds the data token x_{t+k+1} (RoPE position
+    t+k) with step k-1's hidden and learns the target's distribution at t+k+1.
+    hidden [B, T_{k-1}, H] (step 0: the features [B, T, H]), alive [B, T_{k-1}] (step 0: None) -> (the step's loss
+    and counts, None where no chain reaches it; hidden [B, T_k, H] and alive [B, T_k] for step k+1)."""
+    at = StepPositions.of(k, s.grown, s.input_ids.shape[1])
+    if at is None:
+        return None, hidden, alive
+    if k == 0:
+        hidden = hidden[:, :at.n]
+    else:
+        hidden, alive = prune_chains(hidden, alive, s.grown[k - 1], at.pick)
+        s.attend.select(at.pick)
+    h = draft(at.ahead(s.input_ids), hidden, at.shifted(s.rows.positions, 0) + k, attend=s.attend)   # [B, T_k, H]
+    sel, counted, base_row = step_masks(at, s)                          # [B, T_k] each
+    logits = draft.compute_logits(h[sel])                               # [S, Vd]
+    loss = step_loss(logits, at, sel, base_row, s)
+    feat = None
+    if k == 0 and s.settings.feature_loss_weight > 0:
+        feat = feature_loss(h, s.last_hidden, counted, base_row, s.rows.count)
+    correct, alive = step_accuracy(logits, at, sel, counted, alive, s.targets)
+    return StepResult(loss, correct, counted.sum().float(), alive.sum().float(), feat), draft.next_hidden(h), alive
+
+
+def prune_chains(hidden: torch.Tensor, alive: torch.Tensor, grown_before: Optional[torch.Tensor],
+                 cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, T_{k-1}, H], alive [B, T_{k-1}] of step k-1's chains (grown_before [T_{k-1}]; None: every base
+    position) -> those of the chains step k grows, cols [T_k] (a subset): [B, T_k, H], [B, T_k]."""
+    rows = cols if grown_before is None else torch.searchsorted(grown_before, cols)   # cols' rows at step k-1
+    return hidden.index_select(1, rows), alive[:, rows]                 # index_select: a fast backward
+
+
+def step_masks(at: StepPositions, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """-> sel [B, T_k] (positions with logits: some step scores them), counted [B, T_k] (counted for accuracy),
+    base_row [B, T_k] (packed: the row of each base position; else None). Packed, no chain runs into the next row."""
+    sel, counted = at.ahead(s.needed), at.ahead(s.valid)
+    if s.rows.row_id is None:
+        return sel, counted, None
+    base_row = at.shifted(s.rows.row_id, 0)
+    in_row = base_row == at.ahead(s.rows.row_id)
+    return sel & in_row, counted & in_row, base_row
+
+
+def step_loss(logits: torch.Tensor, at: StepPositions, sel: torch.Tensor, base_row: Optional[torch.Tensor],
+              s: StepInputs) -> torch.Tensor:
+    """Soft cross-entropy of logits [S, Vd] (at sel) against the target's distribution, averaged over the positions
+    the loss scores: the loss mask at t + k + offset set and the target's argmax draftable (packed: per row)."""
+    p_rows = at.ahead(s.targets.p_row)[sel]                             # [S] rows of targets.p
+    if s.settings.fused_ce:
+        ce = soft_cross_entropy(logits, s.targets.p, p_rows)            # [S]
+    else:
+        ce = -(s.targets.p[p_rows] * logits.to(wide_dtype(logits.dtype)).log_softmax(-1)).sum(-1)
+    gate = at.shifted(s.valid, at.k + s.settings.loss_mask_offset) & at.ahead(s.targets.in_vocab)
+    m = gate[sel].float()                                               # [S] positions the loss scores
+    return _mean_loss(ce * m, m, None if base_row is None else base_row[sel], s.rows.count)
+
+
+def feature_loss(h: torch.Tensor, last_hidden: torch.Tensor, counted: torch.Tensor, base_row: Optional[torch.Tensor],
+                 num_rows: int) -> torch.Tensor:
+    """Step 0's draft hidden h [B, T-1, H] against the target's last hidden at t+1 [B, T, Ht]: smooth-L1, averaged
+    over the counted positions (packed: per row)."""
+    wide = wide_dtype(h.dtype)
+    fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, T-1]
+    return _mean_loss(fl[counted], torch.ones_like(fl[counted]), None if base_row is None else base_row[counted],
+                      num_rows)
+
+
+@torch.no_grad()
+def step_accuracy(logits: torch.Tensor, at: StepPositions, sel: torch.Tensor, counted: torch.Tensor,
+                  alive: Optional[torch.Tensor], targets: TTTTargets) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (positions where the draft's argmax == the target's [], the chains right at every step so far [B, T_k])."""
+    ok = torch.zeros_like(sel)                                          # [B, T_k] the draft's pick == the target's
+    ok[sel] = targets.draft_ids[kernels.argmax(logits)] == at.ahead(targets.top)[sel]
+    ok &= counted
+    return ok.sum().float(), ok if alive is None else alive & ok
+
+
+def ttt_output(steps: list[Optional[StepResult]], settings: TTTSettings) -> TTTOutput:
+    """The steps' results (None: no chain reached it) -> the loss sum_k decay^k loss_k (+ the weighted feature loss)
+    and the counts; step 0 always runs, and its counted positions are the chain starts."""
+    zero = torch.zeros((), device=steps[0].loss.device)
+    total, accept_sum = zero, zero.clone()
+    for k, step in enumerate(steps):
+        if step is None:
+            continue
+        total = total + settings.step_decay ** k * step.loss
+        if step.feature_loss is not None:
+            total = total + settings.feature_loss_weight * step.feature_loss
+        accept_sum = accept_sum + step.accepted
+    with torch.no_grad():
+        step_loss = torch.stack([zero if s is None else s.loss.detach() for s in steps])
+        counters = TTTCounters(torch.stack([zero if s is None else s.correct for s in steps]),
+                               torch.stack([zero if s is None else s.count for s in steps]), accept_sum, steps[0].count)
+    feat = steps[0].feature_loss
+    return TTTOutput(total, step_loss, counters, None if feat is None else feat.detach())
+
+
+def _features(draft, batch: TTTBatch, features: str) -> torch.Tensor:
     if features not in FEATURES:
         raise ValueError(f"features={features!r}; expected one of {FEATURES}")
-    x = last_hidden if features == "top" else aux_hidden_states
+    x = batch.last_hidden if features == "top" else batch.aux_hidden_states
     if x.shape[-1] != draft.fc.in_features:
         name = "last_hidden" if features == "top" else "aux_hidden_states"
         raise ValueError(f"{name} has {x.shape[-1]} features but the draft's fc reads {draft.fc.in_features} "
@@ -193,125 +491,10 @@ def _features(draft, aux_hidden_states, last_hidden, features: str) -> torch.Ten
     return draft.project(x)                                     # [B, T, H]
 
 
-def ttt_forward(draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: Optional[torch.Tensor],
-                last_hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], lm_head: nn.Module,
-                ttt_length: int = 7, step_decay: float = 0.8, features: str = "fused",
-                feature_loss_weight: float = 0.0, loss_mask_offset: int = 1, fused_ce: bool = True,
-                row_lengths: Optional[list[int]] = None, grow_every_chain: Optional[bool] = None,
-                target_temperature: float = 1.0) -> TTTOutput:
-    """EAGLE-3 training-time test on one batch.
-
-    input_ids, loss_mask, attention_mask [B, T] (right padding); aux_hidden_states [B, T, n_aux*Ht];
-    last_hidden [B, T, Ht] after the target's final norm; lm_head: the target's (frozen).
-    features="top" feeds last_hidden instead of the fused aux features (the draft's fc must read Ht).
-    feature_loss_weight > 0 adds smooth-L1(step-0 draft hidden at t, target last hidden at t+1).
-    fused_ce: the one-pass soft cross-entropy (False: log_softmax, multiply, sum; same values, slower).
-    loss_mask_offset: step k at base position t is scored where loss_mask[t + k + offset] is set. 1 (ours):
-    the mask of the position whose target distribution is learned, i.e. exactly the chains the engine drafts
-    after an accepted assistant token; 0: the EAGLE-3 authors' and SpecForge's convention (one earlier).
-    row_lengths: B == 1 holds these rows packed end to end (no padding). Each row keeps its own RoPE positions
-    and attention, chains never cross into the next row, and the loss is the mean over rows of each row's own
-    loss: the same loss and gradients as the rows run one by one and averaged (gradient accumulation), with
-    R times larger matrix products.
-    Steps k >= 1 grow only the chains some later step scores (chains_to_grow: a chain ending in a prompt is
-    dropped after step 0); grow_every_chain=True grows all of them (the same loss, more FLOPs, no gathers);
-    None: grow_every_chain_default(device).
-    target_temperature: the distribution each step learns is softmax(target logits / T) over the draft vocab
-    (sharpen_target; 0: one-hot at the target's pick); accuracies always count the target's own argmax.
-    """
-    B, T = input_ids.shape
-    dev = input_ids.device
-    if T < 2:
-        raise ValueError(f"training rows need at least 2 tokens (a feature and the next token), got T={T}")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if loss_mask_offset not in (0, 1):
-        raise ValueError(f"loss_mask_offset must be 0 or 1, got {loss_mask_offset}")
-    valid = loss_mask.bool() & attention_mask.bool()                       # [B, T] token may be predicted
-    row_id, positions = _packed_rows(row_lengths, B, T, dev)               # [B, T] each, row_id None: unpacked
-    # Only positions some step scores or counts need the target's distribution and the draft's logits
-    # (prompt tokens, padding and the tail of cut rows do not): gather them once, skip the rest.
-    needed = valid.clone()                                                 # [B, T] target position s
-    if loss_mask_offset == 0:
-        needed[:, 1:] |= valid[:, :-1]                                     # gated by the mask one earlier
-    draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
-    p_needed, top_needed = target_distribution(last_hidden[needed], lm_head, draft_ids)   # [N, Vd], [N]
-    p_needed = sharpen_target(p_needed, target_temperature)
-    row_of = torch.zeros(B, T, dtype=torch.long, device=dev)               # [B, T] -> row of p_needed
-    row_of[needed] = torch.arange(p_needed.shape[0], device=dev)
-    top = torch.full((B, T), -1, dtype=torch.long, device=dev)             # target's pick (-1: not needed)
-    top[needed] = top_needed
-    in_vocab = torch.zeros(B, T, dtype=torch.bool, device=dev)             # target's pick is draftable
-    in_vocab[needed] = draft.t2d[top_needed]
-
-    hidden = _features(draft, aux_hidden_states, last_hidden, features)    # [B, T, H]
-    attend = TTTAttention(attention_mask.bool(), row_lengths)
-    num_rows = len(row_lengths) if row_lengths is not None else B
-    zero = torch.zeros((), device=dev)
-    total, feat_loss = zero, None
-    step_loss, step_correct, step_count = [], [], []
-    alive = None                                                           # [B, T_k] chain still accepted
-    accept_sum, accept_count = zero.clone(), zero.clone()
-    if grow_every_chain is None:
-        grow_every_chain = grow_every_chain_default(dev)
-    grown = chains_to_grow(torch.ones_like(needed) if grow_every_chain else needed, ttt_length)   # step k's bases
-    for k in range(ttt_length):
-        n = T - k - 1                                                      # base positions with a token x_{t+k+1}
-        cols = grown[k]                                                    # [T_k] (None: all n, step 0)
-        if n <= 0 or (cols is not None and cols.numel() == 0):
-            step_loss.append(zero), step_correct.append(zero), step_count.append(zero)
-            continue
-        if cols is None:
-            pick = slice(None, n)                                          # base positions of this step
-        else:
-            prev = cols if grown[k - 1] is None else torch.searchsorted(grown[k - 1], cols)   # rows of step k-1
-            hidden, alive = hidden.index_select(1, prev), alive[:, prev]   # index_select: a fast backward
-            attend.select(cols)
-            pick = cols
-        h = draft(input_ids[:, k + 1:][:, pick], hidden[:, :n] if cols is None else hidden,
-                  positions[:, pick] + k, attend=attend)                   # [B, T_k, H]
-        sel, v = needed[:, k + 1:][:, pick], valid[:, k + 1:][:, pick]     # [B, T_k] positions with logits / counted
-        row_of_base = None
-        if row_id is not None:                                             # packed: no chain runs into the next row
-            row_of_base = row_id[:, pick]
-            in_row = row_of_base == row_id[:, k + 1:][:, pick]
-            sel, v = sel & in_row, v & in_row
-        logits = draft.compute_logits(h[sel])                              # [S, Vd]
-        p_rows = row_of[:, k + 1:][:, pick][sel]                           # [S] rows of p_needed
-        if fused_ce:
-            ce = soft_cross_entropy(logits, p_needed, p_rows)              # [S]
-        else:
-            ce = -(p_needed[p_rows] * logits.to(wide_dtype(logits.dtype)).log_softmax(-1)).sum(-1)
-        off = k + loss_mask_offset
-        m = (valid[:, off:off + n] & in_vocab[:, k + 1:])[:, pick][sel].float()   # [S] positions the loss scores
-        loss_k = _mean_loss(ce * m, m, None if row_of_base is None else row_of_base[sel], num_rows)
-        total = total + step_decay ** k * loss_k
-        if k == 0 and feature_loss_weight > 0:
-            wide = wide_dtype(h.dtype)
-            fl = F.smooth_l1_loss(h.to(wide), last_hidden[:, 1:].to(wide), reduction="none").mean(-1)   # [B, n]
-            feat_loss = _mean_loss(fl[v], torch.ones_like(fl[v]), None if row_of_base is None else row_of_base[v],
-                                   num_rows)
-            total = total + feature_loss_weight * feat_loss
-        with torch.no_grad():
-            ok = torch.zeros_like(sel)                                     # [B, T_k] draft's pick == target's
-            ok[sel] = draft_ids[kernels.argmax(logits)] == top[:, k + 1:][:, pick][sel]
-            step_loss.append(loss_k.detach())
-            step_correct.append((ok & v).sum().float())
-            step_count.append(v.sum().float())
-            alive = (ok & v) if alive is None else (alive & ok & v)
-            if k == 0:
-                accept_count = v.sum().float()
-            accept_sum = accept_sum + alive.sum().float()
-        hidden = draft.next_hidden(h)                                       # EAGLE-3.1: normed
-    return TTTOutput(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count),
-                     accept_sum, accept_count, None if feat_loss is None else feat_loss.detach())
-
-
 def grow_every_chain_default(device: torch.device) -> bool:
-    """Whether TTT's later steps grow every chain by default: on CPUs with AMX (oneDNN's tile kernels make the
-    extra matrix products cheap, and selecting the scored chains costs gathers and scatters that do not get
-    faster; bench_trainer: packed bf16 936 vs 746 tokens/s) yes; elsewhere (AVX-512 CPUs, GPUs) only the
-    chains a later step scores (1.13x faster than every chain on a 2-core AVX-512 BF16 CPU)."""
+    """Whether TTT's later steps grow every chain by default: on CPUs with AMX yes (oneDNN's tile kernels make the
+    extra matrix products cheap, while the gathers and scatters that select the scored chains do not get faster);
+    elsewhere (AVX-512 CPUs, GPUs) only the chains a later step scores."""
     return device.type == "cpu" and "amx_bf16" in extension.cpu_flags()
 
 
@@ -335,17 +518,17 @@ def chains_to_grow(needed: torch.Tensor, ttt_length: int) -> list[Optional[torch
     return grown
 
 
-def _packed_rows(row_lengths: Optional[list[int]], B: int, T: int, dev) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """-> (row_id [B, T] or None when unpacked, RoPE positions [B, T] restarting at every packed row)."""
+def _packed_rows(row_lengths: Optional[list[int]], B: int, T: int, dev) -> BatchRows:
+    """Row ids and RoPE positions of unpacked rows (row_lengths None) or of rows packed end to end."""
     if row_lengths is None:
-        return None, torch.arange(T, device=dev).expand(B, T)
+        return BatchRows(None, torch.arange(T, device=dev).expand(B, T), B)
     if B != 1 or sum(row_lengths) != T or min(row_lengths) < 2:
         raise ValueError(f"row_lengths {list(row_lengths)} must be >= 2 each and sum to T={T} of one packed row "
                          f"(B={B})")
     lengths = torch.tensor(row_lengths, device=dev)
     row_id = torch.repeat_interleave(torch.arange(len(row_lengths), device=dev), lengths)          # [T]
     starts = lengths.cumsum(0) - lengths
-    return row_id.view(1, T), (torch.arange(T, device=dev) - starts[row_id]).view(1, T)
+    return BatchRows(row_id.view(1, T), (torch.arange(T, device=dev) - starts[row_id]).view(1, T), len(row_lengths))
 
 
 def _mean_loss(weighted: torch.Tensor, weight: torch.Tensor, row_of: Optional[torch.Tensor] = None,
@@ -357,12 +540,3 @@ def _mean_loss(weighted: torch.Tensor, weight: torch.Tensor, row_of: Optional[to
     num = torch.zeros(num_rows, dtype=weighted.dtype, device=weighted.device).index_add(0, row_of, weighted)
     den = torch.zeros(num_rows, dtype=weight.dtype, device=weight.device).index_add(0, row_of, weight)
     return (num / den.clamp(min=1.0)).mean()
-
-
-def ttt_batch(draft, batch: dict, lm_head: nn.Module, **kw) -> TTTOutput:
-    """ttt_forward on a collated batch dict (input_ids, loss_mask, attention_mask, aux_hidden_states, last_hidden,
-    and row_lengths [R] when the rows are packed into one sequence)."""
-    lengths = batch.get("row_lengths")
-    return ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch.get("aux_hidden_states"),
-                       batch["last_hidden"], batch.get("attention_mask"), lm_head,
-                       row_lengths=None if lengths is None else lengths.tolist(), **kw)

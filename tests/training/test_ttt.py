@@ -8,8 +8,10 @@ from sglang_eagle3.models.config import Eagle3Config
 from sglang_eagle3.models.draft import Eagle3DraftModel, sdpa_attend
 from sglang_eagle3.training.ttt import (
     TTTAttention,
+    TTTBatch,
+    TTTCounters,
+    TTTSettings,
     chains_to_grow,
-    metrics_from_counters,
     target_distribution,
     ttt_forward,
 )
@@ -111,13 +113,13 @@ def naive_ttt(draft, lm_head, d, ttt_length=K, decay=0.8, features="fused", feat
     total = sum(decay ** k * l for k, l in enumerate(losses))
     if feature_loss_weight > 0:
         total = total + feature_loss_weight * feat_num / max(feat_den, 1.0)
-    counters = torch.tensor(correct + count + [accept_sum, accept_count], dtype=torch.float64)
+    counters = TTTCounters(*(torch.tensor(c, dtype=torch.float64) for c in (correct, count, accept_sum, accept_count)))
     return total, torch.stack([torch.as_tensor(l, dtype=DT) for l in losses]), counters
 
 
 def efficient(draft, lm_head, d, **kw):
-    return ttt_forward(draft, d["input_ids"], d["loss_mask"], d["aux"], d["last"], d["attention_mask"], lm_head,
-                       ttt_length=K, **kw)
+    batch = TTTBatch(d["input_ids"], d["loss_mask"], d["last"], d["aux"], d["attention_mask"])
+    return ttt_forward(draft, batch, lm_head, TTTSettings(ttt_length=K, **kw))
 
 
 def grads(draft, loss):
@@ -136,7 +138,7 @@ def assert_matches_naive(draft, lm_head, d, **kw):
     g_ref = grads(draft, ref_loss)
     torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out.step_loss, ref_steps.detach(), rtol=RTOL, atol=ATOL)
-    assert torch.equal(out.counters(), ref_counters)
+    assert torch.equal(out.counters.packed(), ref_counters.packed())
     for name in g_ref:
         scale = g_ref[name].abs().max().item()
         torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-5, atol=1e-6 * scale,
@@ -154,7 +156,7 @@ def test_ttt_matches_naive_autoregressive_drafting(features, num_aux, fw, offset
                                                     loss_mask_offset=offset)
     assert out.loss.dtype == DT
     assert all(g.abs().sum() > 0 for g in g_ref.values())      # every weight is exercised
-    assert (out.step_loss > 0).all() and (ref_counters[K:2 * K] > 0).all()
+    assert (out.step_loss > 0).all() and (ref_counters.step_count > 0).all()
     if fw:
         assert out.feature_loss is not None and out.feature_loss > 0
 
@@ -167,7 +169,7 @@ def test_sharpened_targets_match_naive_drafting(target_temperature):
     out, counters, _ = assert_matches_naive(draft, lm_head, d, target_temperature=target_temperature)
     soft = efficient(draft, lm_head, d)
     assert not torch.allclose(out.loss, soft.loss)
-    assert torch.equal(counters, soft.counters())
+    assert torch.equal(counters.packed(), soft.counters.packed())
 
 
 def test_sharpen_target_values_and_flag():
@@ -256,17 +258,33 @@ def test_wrong_step_masking_is_detected(monkeypatch, wrong):
     assert (bad.step_loss[1:] - ref_steps[1:].detach()).abs().min() > 1e-4
 
 
+def test_counters_add_and_read_as_metrics():
+    """Counts add field by field (one packed tensor); metrics are correct / count per step (nan where nothing was
+    counted) and 1 + the accepted steps per chain start; the mean loss is nan while no loss was added."""
+    a = TTTCounters(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([4.0, 2.0, 0.0]), torch.tensor(5.0), torch.tensor(4.0))
+    b = TTTCounters.zeros(3)
+    b.loss_sum, b.losses, b.tokens = 1.5, 2.0, 30.0
+    c = a + b + a
+    assert c.step_correct.tolist() == [6, 2, 0] and c.step_count.tolist() == [8, 4, 0]
+    assert (c.accept_sum.item(), c.accept_count.item(), c.loss_sum, c.losses, c.tokens) == (10, 8, 1.5, 2, 30)
+    m = c.metrics()
+    assert (m["acc_0"], m["acc_1"], m["accept_length"]) == (0.75, 0.5, 2.25) and m["acc_2"] != m["acc_2"]   # nan
+    assert c.mean_loss() == 0.75 and TTTCounters.zeros(3).mean_loss() != TTTCounters.zeros(3).mean_loss()
+    assert c.packed().shape == (11,) and torch.equal(TTTCounters.unpacked(c.packed()).packed(), c.packed())
+    assert torch.equal(c.all_reduced(torch.device("cpu")).packed(), c.packed())     # one process: these counts
+
+
 def test_metrics_and_masks():
     draft, lm_head, d = make_setup()
     out = efficient(draft, lm_head, d)
-    m = metrics_from_counters(out.counters())
+    m = out.counters.metrics()
     assert set(m) == {f"acc_{k}" for k in range(K)} | {"accept_length"}
     assert 1.0 <= m["accept_length"] <= 1.0 + K
     # positions with loss_mask 0 are never scored: zeroing the mask of step 0's targets kills all counts
     d2 = dict(d, loss_mask=torch.zeros_like(d["loss_mask"]))
     out2 = efficient(draft, lm_head, d2)
-    assert out2.step_count.sum() == 0 and out2.loss == 0
-    assert metrics_from_counters(out2.counters())["accept_length"] != metrics_from_counters(out2.counters())["accept_length"]  # nan
+    assert out2.counters.step_count.sum() == 0 and out2.loss == 0
+    assert out2.counters.metrics()["accept_length"] != out2.counters.metrics()["accept_length"]  # nan
 
 
 def test_perfect_draft_accepts_every_step():
@@ -279,13 +297,13 @@ def test_perfect_draft_accepts_every_step():
         draft.lm_head.weight.zero_()                           # all draft logits tie -> argmax is draft id 0
     d = dict(d, last=d["last"].abs() + 1.0)
     out = efficient(draft, lm_head, d)
-    m = metrics_from_counters(out.counters())
+    m = out.counters.metrics()
     assert all(m[f"acc_{k}"] == 1.0 for k in range(K))
-    starts = out.accept_count.item()
+    starts = out.counters.accept_count.item()
     # every chain runs until its data ends: sum of min(K, remaining valid tokens)
     valid = d["loss_mask"].bool() & d["attention_mask"].bool()
     expect = sum(min(K, int(valid[b, t + 1:].sum())) for b in range(B) for t in range(T - 1) if valid[b, t + 1])
-    assert out.accept_sum.item() == expect and starts > 0
+    assert out.counters.accept_sum.item() == expect and starts > 0
 
 
 def test_bad_feature_width_is_a_clear_error():
@@ -321,11 +339,12 @@ def test_packed_rows_equal_the_rows_one_by_one(offset, fw, eagle31):
     lengths = [T, T - 2, 5]                                      # row 1 without its padding, row 2 a short copy
     rows = [{k: d[k][b, :n] for k in ("input_ids", "loss_mask", "aux", "last")}
             for b, n in ((0, T), (1, T - 2), (1, 5))]
-    kw = dict(ttt_length=K, loss_mask_offset=offset, feature_loss_weight=fw)
+    settings = TTTSettings(ttt_length=K, loss_mask_offset=offset, feature_loss_weight=fw)
 
     def run(r, row_lengths=None):
-        return ttt_forward(draft, r["input_ids"][None], r["loss_mask"][None], r["aux"][None], r["last"][None],
-                           None, lm_head, row_lengths=row_lengths, **kw)
+        batch = TTTBatch(r["input_ids"][None], r["loss_mask"][None], r["last"][None], r["aux"][None],
+                         row_lengths=row_lengths)
+        return ttt_forward(draft, batch, lm_head, settings)
     alone = [run(r) for r in rows]
     ref_loss = sum(o.loss for o in alone) / len(alone)
     g_ref = grads(draft, ref_loss)
@@ -333,7 +352,7 @@ def test_packed_rows_equal_the_rows_one_by_one(offset, fw, eagle31):
     g_packed = grads(draft, packed.loss)
     torch.testing.assert_close(packed.loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(packed.step_loss, sum(o.step_loss for o in alone) / len(alone), rtol=RTOL, atol=ATOL)
-    assert torch.equal(packed.counters(), sum(o.counters() for o in alone))
+    assert torch.equal(packed.counters.packed(), sum((o.counters for o in alone[1:]), alone[0].counters).packed())
     if fw:
         torch.testing.assert_close(packed.feature_loss, sum(o.feature_loss for o in alone) / len(alone))
     for name in g_ref:
@@ -395,11 +414,11 @@ def test_bf16_ttt_with_the_kernel_equals_it_without():
     res = {}
     for mode in ("auto", "off"):
         with extension.using(mode), torch.autocast("cpu", dtype=torch.bfloat16):
-            o = ttt_forward(draft, ids, mask, aux, last, None, lm_head, ttt_length=K, row_lengths=lengths)
+            o = ttt_forward(draft, TTTBatch(ids, mask, last, aux, row_lengths=lengths), lm_head, TTTSettings(ttt_length=K))
         res[mode] = o, grads(draft, o.loss)
     (a, ga), (b, gb) = res["auto"], res["off"]
     torch.testing.assert_close(a.loss.detach(), b.loss.detach(), rtol=1e-4, atol=1e-5)
-    assert torch.equal(a.counters(), b.counters())
+    assert torch.equal(a.counters.packed(), b.counters.packed())
     for name in ga:
         scale = gb[name].abs().max().item()
         torch.testing.assert_close(ga[name], gb[name], rtol=2e-2, atol=2e-2 * scale, msg=lambda m: f"{name}: {m}")

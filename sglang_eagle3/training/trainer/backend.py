@@ -44,13 +44,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if is_dist():
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
-
-
 def init_distributed(use_deepspeed: bool, device: torch.device) -> None:
     """One process group per run: DeepSpeed's (it sets the env a single process lacks), or torch's under torchrun."""
     if is_dist():

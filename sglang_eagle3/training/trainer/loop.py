@@ -36,7 +36,7 @@ from sglang_eagle3.training.trainer.run_folder import (
     run_state,
     write_checkpoint,
 )
-from sglang_eagle3.training.ttt import FEATURES, TTTOutput, metrics_from_counters, ttt_batch
+from sglang_eagle3.training.ttt import FEATURES, TTTBatch, TTTCounters, TTTOutput, TTTSettings, ttt_forward
 
 __all__ = ["TrainConfig", "Trainer", "TTTModule"]
 
@@ -44,14 +44,21 @@ __all__ = ["TrainConfig", "Trainer", "TTTModule"]
 class TTTModule(nn.Module):
     """What the backends train: the draft, with the target's frozen lm_head kept out of its parameters."""
 
-    def __init__(self, draft: Eagle3DraftModel, lm_head: nn.Module, **ttt_kwargs):
+    def __init__(self, draft: Eagle3DraftModel, lm_head: nn.Module, settings: TTTSettings):
         super().__init__()
         self.draft = draft
         object.__setattr__(self, "lm_head", lm_head)
-        self.ttt_kwargs = ttt_kwargs
+        self.settings = settings
 
     def forward(self, batch: dict) -> TTTOutput:
-        return ttt_batch(self.draft, batch, self.lm_head, **self.ttt_kwargs)
+        return ttt_forward(self.draft, TTTBatch.from_dict(batch), self.lm_head, self.settings)
+
+
+def ttt_settings(cfg: TrainConfig) -> TTTSettings:
+    return TTTSettings(ttt_length=cfg.ttt_length, step_decay=cfg.step_decay, features=cfg.features,
+                       feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset,
+                       target_temperature=cfg.target_temperature,
+                       grow_every_chain={"auto": None, "all": True, "scored": False}[cfg.grow_chains])
 
 
 _log = B.log
@@ -106,11 +113,7 @@ class Trainer:
                             self.target)
         self.draft_config = draft.config
         lm_head.requires_grad_(False)
-        self.module = TTTModule(draft.to(self.device), lm_head, ttt_length=cfg.ttt_length,
-                                step_decay=cfg.step_decay, features=cfg.features,
-                                feature_loss_weight=cfg.feature_loss_weight, loss_mask_offset=cfg.loss_mask_offset,
-                                target_temperature=cfg.target_temperature,
-                                grow_every_chain={"auto": None, "all": True, "scored": False}[cfg.grow_chains])
+        self.module = TTTModule(draft.to(self.device), lm_head, ttt_settings(cfg))
 
     def _setup_backend(self) -> None:
         cfg = self.cfg
@@ -159,21 +162,18 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """The held-out rows' accuracies, acceptance length and mean loss, over every rank's share."""
         self.backend.train(False)
-        K = self.cfg.ttt_length
-        acc = torch.zeros(2 * K + 4, dtype=torch.float64)        # counters, loss sum, rows
+        counts = TTTCounters.zeros(self.cfg.ttt_length)
         for row, counted in self.eval_plan:
             out = self.backend.eval_batch(self.make_batch(self.eval_data, [row]))
-            if counted:
-                acc[:2 * K + 2] += out.counters().cpu()
-                acc[2 * K + 2] += float(out.loss)
-                acc[2 * K + 3] += 1
-        acc = B.all_reduce_sum(acc.to(self.device)).cpu()
+            if counted:                         # a short rank repeats a row (ZeRO-3 forwards are collective)
+                counts += out.counters.cpu()
+                counts.loss_sum += float(out.loss)
+                counts.losses += 1
+        counts = counts.all_reduced(self.device)
         self.backend.train(True)
-        m = metrics_from_counters(acc[:2 * K + 2])
-        m["loss"] = float(acc[2 * K + 2] / acc[2 * K + 3]) if acc[2 * K + 3] else float("nan")
-        m["rows"] = int(acc[2 * K + 3])
-        return m
+        return {**counts.metrics(), "loss": counts.mean_loss(), "rows": int(counts.losses)}
 
     def _log_eval(self, step: int, logger, bar) -> dict:
         rec = {"step": step, "split": "eval", "tokens_seen": self.tokens_seen, **self.evaluate()}
@@ -226,23 +226,31 @@ class Trainer:
         return path
 
     # ---- the loop --------------------------------------------------------------------------------
+    def train_step(self, step: int) -> TTTCounters:
+        """One optimizer step over this rank's micro-batches -> the counts of every rank: accuracies and acceptance,
+        the step's loss (one per rank: the mean over its micro-batches) and the tokens trained on."""
+        micro = self.sampler.micro_batches(step)
+        counts = TTTCounters.zeros(self.cfg.ttt_length)
+        for a, rows in enumerate(micro):
+            batch = self.make_batch(self.data, rows)
+            out = self.backend.train_micro(batch, boundary=a == len(micro) - 1)
+            counts += out.counters.cpu()
+            counts.loss_sum += float(out.loss.detach()) / len(micro)
+            counts.tokens += float(batch["attention_mask"].sum())
+        counts.losses = 1.0
+        return counts.all_reduced(self.device)
+
     def run(self) -> dict:
         from tqdm import tqdm
         cfg = self.cfg
         self.tokens_seen = 0                                     # training tokens since step 0 (resumes with it)
         start = self.try_resume()
         logger = MetricsLogger(cfg.out, start, cfg.tensorboard) if self.rank == 0 else None
-        n_params = sum(p.numel() for p in self.module.draft.parameters())
-        _log(f"train: {self.mode} data, {len(self.train_idx)} train / {len(self.eval_idx)} eval rows, "
-             f"{n_params / 1e6:.2f}M draft params, vocab {self.draft_config.draft_vocab_size}, "
-             f"features {cfg.features}, backend {self.backend_name}"
-             f"{'' if self.zero_stage is None else f' ZeRO-{self.zero_stage}'} x {self.world} "
-             f"({self.device.type}, {str(self.dtype).replace('torch.', '')}), steps {start}->{self.total_steps}")
-        K = cfg.ttt_length
+        self._log_start(start)
         bar = tqdm(total=self.total_steps, initial=start, unit="step", disable=self.rank != 0 or not cfg.progress,
                    dynamic_ncols=True)
-        win = torch.zeros(2 * K + 4, dtype=torch.float64)       # counters, loss sum, tokens
-        win_steps, win_time, total_tokens, total_time = 0, 0.0, 0, 0.0
+        window, window_time = TTTCounters.zeros(cfg.ttt_length), 0.0     # summed since the last log line
+        total_tokens, total_time = 0, 0.0
         last_eval = None
         if start == 0 and cfg.init_from and len(self.eval_idx):
             self._log_eval(0, logger, bar)       # the warm start's own score on this run's held-out rows
@@ -251,39 +259,44 @@ class Trainer:
             if self.device.type == "cpu":
                 governor().update()          # threads fit the cores other processes leave free
             t0 = time.perf_counter()
-            micro = self.sampler.micro_batches(step)
-            local = torch.zeros(2 * K + 4, dtype=torch.float64)
-            for a, rows in enumerate(micro):
-                batch = self.make_batch(self.data, rows)
-                out = self.backend.train_micro(batch, boundary=a == len(micro) - 1)
-                local[:2 * K + 2] += out.counters().cpu()
-                local[2 * K + 2] += float(out.loss.detach()) / len(micro)
-                local[2 * K + 3] += float(batch["attention_mask"].sum())
-            local = B.all_reduce_sum(local.to(self.device)).cpu()
+            counts = self.train_step(step)
             dt = time.perf_counter() - t0
-            win += local
-            win_steps, win_time = win_steps + 1, win_time + dt
-            total_tokens, total_time = total_tokens + int(local[2 * K + 3]), total_time + dt
-            self.tokens_seen += int(local[2 * K + 3])
+            window, window_time = window + counts, window_time + dt
+            total_tokens, total_time = total_tokens + int(counts.tokens), total_time + dt
+            self.tokens_seen += int(counts.tokens)
             done = step + 1
             if done % cfg.log_every == 0 or done == self.total_steps:
-                rec = {"step": done, "split": "train", "epoch": self.sampler.epoch_of(step),
-                       "tokens_seen": self.tokens_seen,
-                       "loss": float(win[2 * K + 2] / (win_steps * self.world)), "lr": self.backend.lr(),
-                       "grad_norm": self.backend.grad_norm(), "tokens_per_s": float(win[2 * K + 3] / win_time),
-                       **metrics_from_counters(win[:2 * K + 2])}
-                if logger:
-                    logger.log(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.3f}",
-                                tok_s=f"{rec['tokens_per_s']:.0f}")
-                win.zero_()
-                win_steps, win_time = 0, 0.0
+                self._log_train(done, self.sampler.epoch_of(step), window, window_time, logger, bar)
+                window, window_time = TTTCounters.zeros(cfg.ttt_length), 0.0
             if len(self.eval_idx) and (done % cfg.eval_every == 0 or done == self.total_steps):
                 last_eval = self._log_eval(done, logger, bar)
             if done == self.total_steps or (cfg.save_every and done % cfg.save_every == 0):
                 self.save_checkpoint(done)
             bar.update(1)
         bar.close()
+        return self._finish(start, last_eval, total_tokens, total_time, logger)
+
+    def _log_start(self, start: int) -> None:
+        cfg = self.cfg
+        n_params = sum(p.numel() for p in self.module.draft.parameters())
+        _log(f"train: {self.mode} data, {len(self.train_idx)} train / {len(self.eval_idx)} eval rows, "
+             f"{n_params / 1e6:.2f}M draft params, vocab {self.draft_config.draft_vocab_size}, "
+             f"features {cfg.features}, backend {self.backend_name}"
+             f"{'' if self.zero_stage is None else f' ZeRO-{self.zero_stage}'} x {self.world} "
+             f"({self.device.type}, {str(self.dtype).replace('torch.', '')}), steps {start}->{self.total_steps}")
+
+    def _log_train(self, step: int, epoch: int, window: TTTCounters, seconds: float, logger, bar) -> None:
+        """One train record over the steps since the last: the mean loss over steps and ranks, the throughput."""
+        rec = {"step": step, "split": "train", "epoch": epoch, "tokens_seen": self.tokens_seen,
+               "loss": window.mean_loss(), "lr": self.backend.lr(), "grad_norm": self.backend.grad_norm(),
+               "tokens_per_s": window.tokens / seconds, **window.metrics()}
+        if logger:
+            logger.log(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+
+    def _finish(self, start: int, last_eval: Optional[dict], total_tokens: int, total_time: float, logger) -> dict:
+        """Export the draft, write the summary and the curves (rank 0); -> the summary."""
+        cfg = self.cfg
         checksums = [None] * self.world
         local_sum = self.param_checksum()
         if B.is_dist():
