@@ -99,7 +99,7 @@ def run(argv=None) -> int:
     from sglang_eagle3.models.testbed import resolve_target
     from sglang_eagle3.training.hidden_dump import load_token_rows
     from sglang_eagle3.training.trainer.backend import adamw
-    from sglang_eagle3.training.ttt import ttt_forward
+    from sglang_eagle3.training.ttt import TTTBatch, TTTSettings, ttt_forward
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     fits = [r for r in load_token_rows(a.data) if a.min_len <= len(r[0]) <= a.max_len]
@@ -148,8 +148,9 @@ def run(argv=None) -> int:
             x, m, aux, last = group[0] if pack == 1 else (torch.cat(parts, 1) for parts in zip(*group))
             lengths = [g[0].shape[1] for g in group] if pack > 1 else None
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = ttt_forward(draft, x, m, aux, last, None, tm.lm_head, ttt_length=a.ttt_length, fused_ce=fused,
-                                  row_lengths=lengths, grow_every_chain=grow_all)
+                batch = TTTBatch(x, m, last, aux_hidden_states=aux, row_lengths=lengths)
+                out = ttt_forward(draft, batch, tm.lm_head,
+                                  TTTSettings(ttt_length=a.ttt_length, fused_ce=fused, grow_every_chain=grow_all))
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
