@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _long_only(profile, spec):
     """A profile that runs `spec` below the long-context threshold and the profile's long-context table from it on
     (bench_acceptance decodes one prompt at a time, greedy: what the server runs for such a request)."""
-    from sglang_eagle3.engine.speculation import SpecProfile
+    from sglang_eagle3.engine.profile import SpecProfile
     return SpecProfile({1: spec}, profile.source, long_context=profile.long_context)
 
 
