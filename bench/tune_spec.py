@@ -5,7 +5,7 @@ Our engine (all trees in one run):
     python bench/tune_spec.py --target testbed --draft D --batch-sizes 1,2,4 --out results/spec_profile.json
 A running SGLang server (its current tree; relaunch with the next tree and rerun with the same --out):
     python bench/tune_spec.py --sglang-url http://127.0.0.1:30000 --target T --out results/spec_profile.json
-Writes the profile (sglang_eagle3.bench.tune.load_profile reads it) and SGLang's
+Writes the profile (sglang_eagle3/engine/profile.py reads, checks and merges it) and SGLang's
 --speculative-adaptive-config file.
 """
 from sglang_eagle3.bench.tune import main

@@ -107,7 +107,8 @@ def test_tree_comes_from_the_drafts_tuned_profile_unless_flags_say(folders, caps
 def test_profile_where_vanilla_won_measures_with_its_fastest_tree(folders, capsys, tmp_path):
     import shutil
 
-    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+    from sglang_eagle3.engine.profile import SpecProfile
+    from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.models.config import ConfigError
     target, draft, _ = folders
     tuned = tmp_path / "tuned"
@@ -320,7 +321,8 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
-    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile
+    from sglang_eagle3.engine.profile import SpecProfile
+    from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.models.config import ConfigError
     from sglang_eagle3.models.target import TargetModel
@@ -367,7 +369,8 @@ def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
-    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, host_kind
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
+    from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.models.config import ConfigError
     from sglang_eagle3.models.target import TargetModel
@@ -413,8 +416,8 @@ def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
     """--dtype auto (serve, demo, benches): bfloat16 on GPUs and on CPUs where the engine computes bf16 products
     fast (AVX-512 BF16, AMX, or csrc's AVX2 kernel); float32 on other CPUs, where PyTorch's bf16 products are
     emulated (several times slower than fp32). Explicit names pass through."""
+    from sglang_eagle3.engine.profile import host_kind
     from sglang_eagle3.engine.settings import resolve_dtype
-    from sglang_eagle3.engine.speculation import host_kind
     from sglang_eagle3.kernels import extension
     monkeypatch.setattr(extension, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma f16c")
     monkeypatch.setattr(extension, "few_row_isa", lambda: "avx2")
@@ -439,7 +442,7 @@ def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
 
 HOST_KIND_PROBE = """
 import json
-from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+from sglang_eagle3.engine.profile import SpecProfile, host_kind
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.paths import shipped_draft
 profile = SpecProfile.load(shipped_draft() + "/spec_profile.json")
@@ -702,7 +705,7 @@ def test_a_profiles_bad_drafting_entry_names_the_file_and_field(folders, tmp_pat
     """by_host.<kind>.drafting values are checked when the profile is read, named by file and field (they were
     reported as flags the user never passed, crashed with a traceback, or were blamed on the prompt's length), also
     in another host's entry and in the profile's own 'drafting'."""
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
     from sglang_eagle3.models.config import ConfigError
     target, draft, _ = folders
     kind = host_kind()

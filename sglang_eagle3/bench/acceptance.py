@@ -30,12 +30,12 @@ from sglang_eagle3.bench.contention import LOADS, start_busy
 from sglang_eagle3.bench.drafters import turn_seed
 
 FORMAT = "sglang_eagle3.bench_acceptance/1"
-DEFAULT_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 
 
 # ---- inputs ----------------------------------------------------------------------------------
 
 
+EVAL_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]      # the eval sets under <data>/eval
 BUILT_FROM = {"mt_bench_turn2": "mt_bench", "code_edit": "humaneval"}
 
 
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed", help="HF folder or hub id (default: the embedded SmolLM2)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the shipped draft, if any)")
-    p.add_argument("--datasets", default=",".join(DEFAULT_SETS),
+    p.add_argument("--datasets", default=",".join(EVAL_SETS),
                    help="comma list of eval set names under $EAGLE3_DATA/eval, or .jsonl paths")
     p.add_argument("--data", default=data_dir(), help="data folder (default: $EAGLE3_DATA or ../shared/data)")
     p.add_argument("--n", type=int, default=10, help="prompts per set (default 10)")
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _long_only(profile, spec):
     """A profile that runs `spec` below the long-context threshold and the profile's long-context table from it on
     (bench_acceptance decodes one prompt at a time, greedy: what the server runs for such a request)."""
-    from sglang_eagle3.engine.speculation import SpecProfile
+    from sglang_eagle3.engine.profile import SpecProfile
     return SpecProfile({1: spec}, profile.source, long_context=profile.long_context)
 
 

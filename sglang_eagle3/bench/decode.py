@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from sglang_eagle3.bench.acceptance import EVAL_SETS
 from sglang_eagle3.engine.cost_model import prepared_forward
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.loader import load_draft
@@ -35,7 +36,6 @@ from sglang_eagle3.kernels import decode as kernels
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.target import TargetModel
 
-EVAL_SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum"]
 PHASES = ("draft_extend", "draft_tree", "verify_forward", "accept", "kv_commit", "draft_hold")
 
 

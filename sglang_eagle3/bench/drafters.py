@@ -58,16 +58,13 @@ def parse_drafters(text: str) -> list[tuple[str, str, str]]:
 def check_choice_into(path: str) -> None:
     """--choose-into before the run (it was found only after it): a readable profile, in a folder this run can
     write its new version into."""
-    from sglang_eagle3.engine.speculation import SpecProfile
+    from sglang_eagle3.engine.profile import check_rewritable
     from sglang_eagle3.errors import UserError
     from sglang_eagle3.models.config import ConfigError
     try:
-        SpecProfile.load(path)
+        check_rewritable(path)
     except ConfigError as e:
         raise UserError(f"--choose-into {path}: {e}") from None
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.access(folder, os.W_OK | os.X_OK) or not os.access(path, os.W_OK):
-        raise UserError(f"--choose-into {path}: no permission to write it (or in {folder})")
 
 
 def code_edit_prompts(path: str, n: int) -> list[list[str]]:
@@ -255,19 +252,16 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: Optional[str]
 def record_choice(path: str, result: dict, argv: list[str]) -> str:
     """PROFILE['by_host'][this host's kind]['drafting'] = the column with the best average speed-up of this run (the
     drafter and tree sizing `generate` and `serve` then run by default on such a host), with what measured it."""
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
-    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
-    prof = report.read_json(path)
+    from sglang_eagle3.engine.profile import host_kind, set_drafting
     speedups = {c: result["average"][c]["speedup_median"] for c in result["columns"]}
     best = max(speedups, key=lambda c: speedups[c] or 0.0)
     drafter, _, tree = best.partition("-")
     kind = host_kind("cpu")
-    entry = prof.setdefault("by_host", {}).setdefault(kind, {})
-    entry["drafting"] = {"drafter": drafter, "tree": tree or "profile",
-                         "measured": {"datasets": list(result["sets"]), "speedup_average": speedups,
-                                      "temperature": result["config"]["temperature"], "cpu": result["meta"].get("cpu"),
-                                      "command": "bench/bench_acceptance.py " + " ".join(argv)}}
-    report.write_json_atomic(path, prof)
+    set_drafting(path, kind, {"drafter": drafter, "tree": tree or "profile",
+                              "measured": {"datasets": list(result["sets"]), "speedup_average": speedups,
+                                           "temperature": result["config"]["temperature"],
+                                           "cpu": result["meta"].get("cpu"),
+                                           "command": "bench/bench_acceptance.py " + " ".join(argv)}})
     return f"{kind}: {best} ({speedups[best]:.2f}x average)"
 
 

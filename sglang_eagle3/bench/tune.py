@@ -9,14 +9,14 @@ Two backends:
       the server with the next tree (and once without speculation, for the baseline) and run again with
       the same --out: the profile is rebuilt from all rows gathered so far.
 
-Outputs (from --out PROFILE.json): PROFILE.json (read by sglang_eagle3.bench.tune.load_profile), PROFILE.grid.json
+Outputs (from --out PROFILE.json): PROFILE.json (engine/profile.py reads it), PROFILE.grid.json
 (every measurement; also the resume state), PROFILE.md (tables), PROFILE.png (speed-up heatmap), and the
 SGLang --speculative-adaptive-config file (--adaptive-out, default PROFILE.sglang_adaptive.json).
 
 The best tree depends on the host: on a CPU with AMX tiles a verify of 8 tokens costs ~1.2x a one-token step, with
 the AVX-512 BF16 kernel 1.2-1.5x, with the AVX2 + FMA kernel ~1.08x for 2 tokens, 1.1x for 4 and ~1.7x for 8 (a Zen
 3, context 256; more at longer contexts), so a draft's profile can hold a table per kind of host (by_host, keyed by
-engine/speculation.host_kind(): amx, avx512_bf16, avx512f, avx2, cpu, cuda). --host-table-into PROFILE stores this
+engine/profile.host_kind(): amx, avx512_bf16, avx512f, avx2, cpu, cuda). --host-table-into PROFILE stores this
 run's table there (with
 --temperature > 0 that host's sampled table); the engine and server take it on such a host and the profile's own
 table elsewhere. With --long-context TOKENS it stores the run's trees as that host's long-context table instead
@@ -31,7 +31,6 @@ the grid alone).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -46,18 +45,19 @@ from sglang_eagle3.bench.tune_grid import (
     select_best,
     tree_key,
 )
-from sglang_eagle3.engine.speculation import PROFILE_FORMAT  # noqa: E402
+from sglang_eagle3.engine.profile import PROFILE_FORMAT
 
 GRID_FORMAT = "sglang_eagle3.tune_grid/1"
 
 
-# ---- loader ----------------------------------------------------------------------------------
+# ---- reading a profile -----------------------------------------------------------------------
 
 
-def load_profile(path: str, batch_size: int):
-    """The tree to use at batch_size (SpecConfig), or None for vanilla decoding (config.SpecProfile's routing:
-    a batch size without its own entry uses the largest measured one below it, else the smallest above)."""
-    from sglang_eagle3.engine.speculation import SpecProfile
+def profile_tree_at(path: str, batch_size: int):
+    """The tree a profile file runs at batch_size (SpecConfig), or None for vanilla decoding (SpecProfile's routing:
+    a batch size without its own entry uses the largest measured one below it, else the smallest above);
+    FileNotFoundError where there is no such file, ProfileError where it does not read."""
+    from sglang_eagle3.engine.profile import SpecProfile
     from sglang_eagle3.models.config import ConfigError
     if not os.path.isfile(path):
         raise FileNotFoundError(f"speculation profile {path} does not exist (write one with bench/tune_spec.py)")
@@ -192,8 +192,8 @@ def incumbent_trees(a) -> tuple[dict[int, dict], str | None]:
     """{batch size: tree} that the profile this run may replace holds now (--host-table-into PROFILE, else the
     draft's spec_profile.json; this host kind's table where it has one; the sampled table at --temperature > 0),
     and where they came from. Batch sizes without speculation there give their fastest measured tree."""
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
     from sglang_eagle3.engine.settings import load_profile
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
     from sglang_eagle3.errors import UserError
     from sglang_eagle3.models.config import ConfigError
     if a.no_incumbent:
@@ -236,39 +236,6 @@ def table_provenance(setup: dict, dataset_name: str, command: str) -> dict:
             **({"dtype": setup["dtype"]} if setup.get("dtype") else {}), "command": command}
 
 
-def add_host_table(path: str, best: dict, setup: dict, measured: dict, long_context: int | None = None) -> str:
-    """PROFILE['by_host'][this host's kind] = this run's best trees (greedy: its per_batch_size; sampled: its
-    'sampled' table, next to a greedy one measured first; long_context: its table for steps at that many tokens or
-    more, likewise), with `measured` (table_provenance). Batch sizes this run did not measure keep the tree this kind
-    of host ran before (its by_host table, else the profile's own), so re-tuning batch 1 alone leaves the others as
-    they were. Returns the kind."""
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
-    from sglang_eagle3.errors import UserError
-    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
-    prof = report.read_json(path)
-    kind = host_kind("cpu")
-    entry = {k: v for k, v in prof.get("by_host", {}).get(kind, {}).items() if k != "grid"}   # an older run's path
-    if long_context is not None:
-        if "per_batch_size" not in entry:
-            raise UserError(f"--host-table-into {path}: no table for host kind {kind!r} yet (tune it first, "
-                            "without --long-context)")
-        before = (entry.get("long_context") or {}).get("per_batch_size") or {}
-        entry["long_context"] = {"min_tokens": long_context, **measured, "per_batch_size": _merged(before, best)}
-    elif setup["temperature"] > 0:
-        if "per_batch_size" not in entry:
-            raise UserError(f"--host-table-into {path}: no greedy table for host kind {kind!r} yet "
-                            "(measure it first at --temperature 0)")
-        before = (entry.get("sampled") or prof.get("sampled") or {}).get("per_batch_size") or {}
-        entry["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], **measured,
-                            "per_batch_size": _merged(before, best)}
-    else:
-        before = entry.get("per_batch_size") or prof.get("per_batch_size") or {}
-        entry.update(measured, per_batch_size=_merged(before, best))
-    prof.setdefault("by_host", {})[kind] = entry
-    report.write_json_atomic(path, prof)
-    return kind
-
-
 def check_long_prompts(target: str, prompts: list[str], min_tokens: int, dataset: str) -> None:
     """A long-context table must be measured where it will be used: refuse prompts whose chat-encoded median
     length is below min_tokens (one line naming the set)."""
@@ -282,23 +249,6 @@ def check_long_prompts(target: str, prompts: list[str], min_tokens: int, dataset
     if median < min_tokens:
         raise UserError(f"--long-context {min_tokens}: the prompts of --dataset {dataset} have a median of {median} "
                         "tokens; measure the long-context table over prompts at least that long (e.g. --dataset sum)")
-
-
-def _merged(before: dict, best: dict) -> dict:
-    """{batch size: entry}: this run's best where it measured, the earlier table's elsewhere (ordered by size)."""
-    out = {**{str(k): v for k, v in before.items()}, **{str(k): v for k, v in best.items()}}
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
-
-
-def add_sampled_table(path: str, best: dict, setup: dict, measured: dict) -> None:
-    """PROFILE['sampled'] = this (sampled) run's best trees, with `measured` (table_provenance); the rest of PROFILE
-    stays as it is."""
-    from sglang_eagle3.engine.speculation import SpecProfile
-    SpecProfile.load(path)                               # a readable profile first (one-line error otherwise)
-    with open(path) as f:
-        prof = json.load(f)
-    prof["sampled"] = {"temperature": setup["temperature"], "seed": setup["seed"], **measured, "per_batch_size": best}
-    report.write_json_atomic(path, prof)
 
 
 def _load_grid(path: str, setup: dict, fresh: bool) -> list[dict]:
@@ -323,17 +273,11 @@ def _differs(best: dict, adaptive: dict | None) -> list[int]:
     return out
 
 
-def run(argv=None) -> int:
-    import torch
 
-    from sglang_eagle3.bench.acceptance import resolve_sets
-    from sglang_eagle3.bench.measure import measure_engine, measure_server
-    from sglang_eagle3.engine.prompts import load_prompts
+def parse_args(argv) -> argparse.Namespace:
+    """The flags, parsed and checked before anything loads (one line each)."""
     from sglang_eagle3.engine.settings import resolve_dtype
     from sglang_eagle3.errors import UserError
-    from sglang_eagle3.models.testbed import resolve_target
-    from sglang_eagle3.paths import shipped_draft
-
     a = build_parser().parse_args(argv)
     a.dtype = resolve_dtype(a.dtype)
     a.batch_sizes = parse_ints(a.batch_sizes, "--batch-sizes")
@@ -343,6 +287,18 @@ def run(argv=None) -> int:
                         ("--confirm", a.confirm, 0), ("--confirm-repeats", a.confirm_repeats, 1)):
         if v < lo:
             raise UserError(f"{flag} must be >= {lo}, got {v}")
+    check_into_flags(a)
+    if not 0 <= a.adaptive_tolerance < 1:
+        raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
+    return a
+
+
+def check_into_flags(a) -> None:
+    """--sampled-into, --host-table-into and --long-context: what each needs, and profiles this run can read and
+    rewrite when it ends."""
+    from sglang_eagle3.engine.profile import check_rewritable
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.config import ConfigError
     if a.sampled_into is not None and a.temperature <= 0:
         raise UserError("--sampled-into needs --temperature > 0 (it stores a table for sampling requests)")
     if a.sampled_into is not None and not os.path.isfile(a.sampled_into):
@@ -354,28 +310,71 @@ def run(argv=None) -> int:
         raise UserError(f"--long-context {a.long_context}: " + (
             "must be >= 1" if a.long_context < 1 else "needs --host-table-into PROFILE (it adds a table to that host's)"
             if a.host_table_into is None else "greedy tables only (--temperature 0)"))
-    if not 0 <= a.adaptive_tolerance < 1:
-        raise UserError(f"--adaptive-tolerance must be in [0, 1), got {a.adaptive_tolerance}")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    ((dataset_name, dataset),) = resolve_sets([a.dataset], a.data).items()
-    prompts = [t[0] for t in load_prompts(dataset, limit=max(a.n, max(a.batch_sizes)))]
+    for flag, path in (("--sampled-into", a.sampled_into), ("--host-table-into", a.host_table_into)):
+        if path is None:
+            continue
+        try:
+            check_rewritable(path)
+        except ConfigError as e:
+            raise UserError(f"{flag} {path}: {e}") from None
+
+
+def check_host_table(a) -> None:
+    """--host-table-into at --temperature > 0 or with --long-context: that table goes beside this kind of host's
+    greedy one, which must be in the profile already (refused before anything is measured)."""
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
+    from sglang_eagle3.errors import UserError
+    if a.host_table_into is None or (a.long_context is None and a.temperature <= 0):
+        return
+    kind = host_kind("cpu")
+    if SpecProfile.load(a.host_table_into, host=kind).host == kind:
+        return
+    raise UserError(f"--host-table-into {a.host_table_into}: " + (
+        f"no table for host kind {kind!r} yet (tune it first, without --long-context)" if a.long_context is not None
+        else f"no greedy table for host kind {kind!r} yet (measure it first at --temperature 0)"))
+
+
+def read_prompts(a) -> tuple[str, str, list[str]]:
+    """--dataset's name and file, and its prompts this run measures (enough for the largest batch); refused where
+    they are shorter than --long-context."""
+    from sglang_eagle3.bench.acceptance import resolve_sets
+    from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.models.testbed import resolve_target
+    ((name, path),) = resolve_sets([a.dataset], a.data).items()
+    prompts = [t[0] for t in load_prompts(path, limit=max(a.n, max(a.batch_sizes)))]
     if a.long_context is not None:
         check_long_prompts(resolve_target(a.target), prompts, a.long_context, a.dataset)
+    return name, path, prompts
+
+
+def run_setup(a, dataset: str) -> tuple[dict, str | None]:
+    """What the measurements depend on (the grid file resumes only under the same setup) and, with our engine,
+    where the trees the profile holds now came from (a.incumbents); resolves --target and --draft."""
+    import torch
+
+    from sglang_eagle3.errors import UserError
+    from sglang_eagle3.models.testbed import resolve_target
+    from sglang_eagle3.paths import shipped_draft
     setup = {"dataset": os.path.abspath(dataset), "n": a.n, "max_new_tokens": a.max_new_tokens,
              "temperature": a.temperature, "seed": a.seed if a.temperature > 0 else None, "ignore_eos": a.ignore_eos}
-    incumbent_source = None
     if a.sglang_url:
         setup.update(backend="sglang", url=a.sglang_url)
-    else:
-        a.target = resolve_target(a.target)
-        a.draft = a.draft or shipped_draft()
-        if not a.draft or a.draft == "none" or not os.path.isdir(a.draft):
-            raise UserError(f"--draft {a.draft}: need an EAGLE-3 draft folder (`eagle3 init-draft` makes a random one)")
-        setup.update(backend="engine", target=os.path.abspath(a.target), draft=os.path.abspath(a.draft),
-                     dtype=a.dtype, threads=torch.get_num_threads())
-        a.incumbents, incumbent_source = incumbent_trees(a)
-    grid_path = report.sibling(a.out, ".grid.json")
+        return setup, None
+    a.target = resolve_target(a.target)
+    a.draft = a.draft or shipped_draft()
+    if not a.draft or a.draft == "none" or not os.path.isdir(a.draft):
+        raise UserError(f"--draft {a.draft}: need an EAGLE-3 draft folder (`eagle3 init-draft` makes a random one)")
+    setup.update(backend="engine", target=os.path.abspath(a.target), draft=os.path.abspath(a.draft),
+                 dtype=a.dtype, threads=torch.get_num_threads())
+    a.incumbents, source = incumbent_trees(a)
+    return setup, source
+
+
+def measure(a, prompts: list[str], setup: dict, grid_path: str) -> tuple[list[dict], dict]:
+    """Every (batch size, tree) the grid file lacks, measured, the file rewritten after each; all its rows (sorted)
+    and what ran them (backend, target, draft, dtype)."""
+    from sglang_eagle3.bench.measure import measure_engine, measure_server
+    from sglang_eagle3.errors import UserError
     rows = _load_grid(grid_path, setup, a.fresh)
     state = {"format": GRID_FORMAT, "setup": setup, "rows": rows, "meta": report.run_metadata()}
 
@@ -392,31 +391,52 @@ def run(argv=None) -> int:
             raise UserError(str(e)) from None
     else:
         where = measure_engine(a, prompts, {(r["batch_size"], tree_key(r["tree"])) for r in rows}, on_rows)
-    rows = sorted(state["rows"], key=lambda r: (r["batch_size"], tree_key(r["tree"])))
+    return sorted(state["rows"], key=lambda r: (r["batch_size"], tree_key(r["tree"]))), where
 
-    best = select_best(rows, a.min_speedup)
-    adaptive_path = a.adaptive_out or report.sibling(a.out, ".sglang_adaptive.json")
+
+def write_adaptive(a, rows: list[dict]) -> tuple[dict | None, str, str]:
+    """SGLang's adaptive config from the chains measured, written to --adaptive-out (None where it cannot be
+    written), its path, and the note the profile records (why there is none, where none)."""
+    path = a.adaptive_out or report.sibling(a.out, ".sglang_adaptive.json")
     try:
         adaptive = adaptive_config(rows, a.min_speedup, a.adaptive_tolerance)
-        report.write_json_atomic(adaptive_path, adaptive)
-        note = ADAPTIVE_NOTE
     except ProfileError as e:
-        adaptive, note = None, str(e)
-    profile = {"format": PROFILE_FORMAT, "target": portable_path(where.get("target")),
-               "draft": portable_path(where.get("draft")), "backend": where["backend"], "dtype": where.get("dtype"),
-               "dataset": dataset_name,
-               "temperature": a.temperature, "max_new_tokens": a.max_new_tokens, "min_speedup": a.min_speedup,
-               "per_batch_size": best,
-               "sglang_adaptive": {"path": portable_path(os.path.abspath(adaptive_path)) if adaptive else None,
-                                   "note": note, "differs_from_profile_at_batch_sizes": _differs(best, adaptive)},
-               "launch_flags": launch_flags(best, portable_path(os.path.abspath(adaptive_path)), adaptive),
-               "meta": report.run_metadata()}
-    report.write_json_atomic(a.out, profile)
-    measured = table_provenance(setup, dataset_name, portable_command(sys.argv[1:] if argv is None else argv))
+        return None, path, str(e)
+    report.write_json_atomic(path, adaptive)
+    return adaptive, path, ADAPTIVE_NOTE
+
+
+def profile_document(a, where: dict, dataset_name: str, best: dict, adaptive: dict | None, adaptive_path: str,
+                     note: str) -> dict:
+    """The profile --out holds: the best entry per batch size, what measured them, SGLang's equivalents."""
+    adaptive_at = portable_path(os.path.abspath(adaptive_path))
+    return {"format": PROFILE_FORMAT, "target": portable_path(where.get("target")),
+            "draft": portable_path(where.get("draft")), "backend": where["backend"], "dtype": where.get("dtype"),
+            "dataset": dataset_name, "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
+            "min_speedup": a.min_speedup, "per_batch_size": best,
+            "sglang_adaptive": {"path": adaptive_at if adaptive else None, "note": note,
+                                "differs_from_profile_at_batch_sizes": _differs(best, adaptive)},
+            "launch_flags": launch_flags(best, adaptive_at, adaptive), "meta": report.run_metadata()}
+
+
+def store_tables(a, best: dict, setup: dict, measured: dict) -> str | None:
+    """This run's best trees, with `measured` (table_provenance), into the profiles --sampled-into (its sampled
+    table) and --host-table-into (this kind of host's table) name; the kind where it stored one."""
+    from sglang_eagle3.engine.profile import add_host_table, host_kind, set_sampled_table
+    sampling = {"temperature": setup["temperature"], "seed": setup["seed"]}
     if a.sampled_into is not None:
-        add_sampled_table(a.sampled_into, best, setup, measured)
-    host = add_host_table(a.host_table_into, best, setup, measured, a.long_context) \
-        if a.host_table_into is not None else None
+        set_sampled_table(a.sampled_into, best, sampling, measured)
+    if a.host_table_into is None:
+        return None
+    kind = host_kind("cpu")
+    add_host_table(a.host_table_into, kind, best, measured, sampling if setup["temperature"] > 0 else None,
+                   a.long_context)
+    return kind
+
+
+def report_text(a, rows: list[dict], best: dict, where: dict, adaptive: dict | None,
+                incumbent_source: str | None) -> str:
+    """The Markdown report: every tree's speed per batch size, the choice, and how it was made."""
     text = (f"tokens/s (speed-up over vanilla) per tree and batch size; * = chosen. backend {where['backend']}, "
             f"target {where.get('target')}, draft {where.get('draft')}, T={a.temperature:g}, "
             f"max_new_tokens={a.max_new_tokens}\n\n{grid_table(rows, best)}\n\nBest per batch size:\n\n"
@@ -427,8 +447,8 @@ def run(argv=None) -> int:
                  + ", ".join(f"bs {bs} {k} ({n} runs)" for bs, k, n in extra) + ".\n")
     held = sorted((r["batch_size"], tree_key(r["tree"])) for r in rows if r.get("incumbent"))
     if held:
-        where = f" ({incumbent_source})" if incumbent_source else ""   # rows resumed from an earlier run's grid
-        text += (f"\nThe trees the profile held{where} competed beside the grid and in the "
+        source = f" ({incumbent_source})" if incumbent_source else ""   # rows resumed from an earlier run's grid
+        text += (f"\nThe trees the profile held{source} competed beside the grid and in the "
                  "confirmation runs: " + ", ".join(f"bs {bs} {k}" for bs, k in held) + ".\n")
     checked = [r["identical_to_vanilla"] for r in rows if r.get("identical_to_vanilla") is not None]
     if checked:
@@ -436,14 +456,40 @@ def run(argv=None) -> int:
     if adaptive:
         steps = ", ".join(f"bs {k}: {v['candidate_steps']}" for k, v in adaptive.items() if k.isdigit())
         text += f"\nSGLang adaptive candidate_steps: {steps}\n"
+    return text
+
+
+def files_note(a, files: list[str], adaptive: dict | None, adaptive_path: str, note: str, host: str | None) -> str:
+    """What the run wrote, and where it added tables."""
+    return (f"wrote {os.path.abspath(a.out)}" + "".join(f"\n      {f}" for f in files)
+            + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})")
+            + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else "")
+            + (f"\nadded the table for {host} hosts" + (f" at {a.long_context}+ tokens" if a.long_context else "")
+               + f" to {os.path.abspath(a.host_table_into)}" if host else ""))
+
+
+def run(argv=None) -> int:
+    import torch
+
+    from sglang_eagle3.engine.profile import write_profile
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dataset_name, dataset, prompts = read_prompts(a)
+    check_host_table(a)
+    setup, incumbent_source = run_setup(a, dataset)
+    grid_path = report.sibling(a.out, ".grid.json")
+    rows, where = measure(a, prompts, setup, grid_path)
+    best = select_best(rows, a.min_speedup)
+    adaptive, adaptive_path, note = write_adaptive(a, rows)
+    write_profile(a.out, profile_document(a, where, dataset_name, best, adaptive, adaptive_path, note))
+    measured = table_provenance(setup, dataset_name, portable_command(sys.argv[1:] if argv is None else argv))
+    host = store_tables(a, best, setup, measured)
+    text = report_text(a, rows, best, where, adaptive, incumbent_source)
     md = report.write_text_atomic(report.sibling(a.out, ".md"), text)
     png = plot_grid(rows, best, report.sibling(a.out, ".png"))
     print(text)
-    print(f"wrote {os.path.abspath(a.out)}\n      {grid_path}\n      {md}\n      {png}"
-          + (f"\n      {os.path.abspath(adaptive_path)}" if adaptive else f"\n(no SGLang adaptive config: {note})")
-          + (f"\nadded the sampled table to {os.path.abspath(a.sampled_into)}" if a.sampled_into else "")
-          + (f"\nadded the table for {host} hosts" + (f" at {a.long_context}+ tokens" if a.long_context else "")
-             + f" to {os.path.abspath(a.host_table_into)}" if host else ""))
+    print(files_note(a, [grid_path, md, png], adaptive, adaptive_path, note, host))
     return 0
 
 

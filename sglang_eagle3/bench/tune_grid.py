@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from sglang_eagle3.bench import report
+from sglang_eagle3.engine.profile import tree_entry, vanilla_entry
 from sglang_eagle3.errors import UserError
 
 ADAPTIVE_NOTE = (
@@ -71,9 +72,9 @@ def _useful(r: dict) -> bool:
 
 
 def select_best(rows: list[dict], min_speedup: float = 1.0) -> dict[str, dict]:
-    """Per batch size: the fastest tree, or speculation: false when vanilla is at least as good. Where trees were
-    run again after the grid (confirmed), the choice is among those: a tree measured once more than the others
-    would otherwise win on its luck."""
+    """Per batch size, the profile's entry: the fastest tree, or speculation: false when vanilla is at least as good
+    (with the fastest tree tried as its best_tree). Where trees were run again after the grid (confirmed), the
+    choice is among those: a tree measured once more than the others would otherwise win on its luck."""
     best = {}
     for bs, (van, specs) in by_batch_size(rows).items():
         specs = [r for r in specs if r.get("confirmed")] or specs
@@ -82,14 +83,14 @@ def select_best(rows: list[dict], min_speedup: float = 1.0) -> dict[str, dict]:
         van_tps = van["tokens_per_s"] if van else None
         spd = report.safe_div(top["tokens_per_s"], van_tps) if top and van_tps else None
         if top is None or (spd is not None and spd < min_speedup):
-            entry = {"speculation": False, "tokens_per_s": van_tps, "speedup": 1.0}
-            if fastest is not None:
-                entry["best_tree"] = {**fastest["tree"], "tokens_per_s": fastest["tokens_per_s"],
-                                      "speedup": report.safe_div(fastest["tokens_per_s"], van_tps) if van_tps else None,
-                                      "accepted_drafts": fastest.get("accepted_drafts")}
+            tried = None if fastest is None else {
+                **fastest["tree"], "tokens_per_s": fastest["tokens_per_s"],
+                "speedup": report.safe_div(fastest["tokens_per_s"], van_tps) if van_tps else None,
+                "accepted_drafts": fastest.get("accepted_drafts")}
+            entry = vanilla_entry(tried, tokens_per_s=van_tps, speedup=1.0)
         else:
-            entry = {"speculation": True, **top["tree"], "tokens_per_s": top["tokens_per_s"], "speedup": spd,
-                     "accept_length": top.get("accept_length"), "vanilla_tokens_per_s": van_tps}
+            entry = tree_entry(top["tree"], tokens_per_s=top["tokens_per_s"], speedup=spd,
+                               accept_length=top.get("accept_length"), vanilla_tokens_per_s=van_tps)
             if van is None:
                 entry["note"] = "no vanilla baseline measured at this batch size"
         best[str(bs)] = entry

@@ -14,8 +14,9 @@ from typing import Optional, Union
 import torch
 
 from sglang_eagle3.engine.cost_model import StepCosts
+from sglang_eagle3.engine.profile import SpecProfile
 from sglang_eagle3.engine.scheduler import Request, RequestError, Scheduler, SchedulerStats, tree_slots
-from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 
 Prompt = Union[str, list]   # plain text, chat messages [{"role", "content"}], or token ids [int] (used as they are)

@@ -5,8 +5,9 @@ import os
 from typing import Optional
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.profile import SpecProfile
 from sglang_eagle3.engine.settings import DTYPES, Settings, resolve_dtype
-from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig
 from sglang_eagle3.errors import UserError
 from sglang_eagle3.models.config import check_draft_folder
 from sglang_eagle3.models.draft import CheckpointError, Eagle3DraftModel

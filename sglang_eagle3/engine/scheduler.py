@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, load_or_measure_costs
+from sglang_eagle3.engine.profile import SpecProfile
 from sglang_eagle3.engine.spec_worker import MAX_CONTEXT_NODES, SpecWorker, StepTimes
-from sglang_eagle3.engine.speculation import Drafting, SpecConfig, SpecProfile
+from sglang_eagle3.engine.speculation import Drafting, SpecConfig
 from sglang_eagle3.engine.suffix import ContextDrafter
 from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob

@@ -26,16 +26,8 @@ from typing import Optional
 
 import torch
 
-from sglang_eagle3.engine.speculation import (
-    DRAFTERS,
-    MAX_NODES,
-    TREE_SIZING,
-    Drafting,
-    SpecConfig,
-    SpecProfile,
-    draft_profile_path,
-    host_kind,
-)
+from sglang_eagle3.engine.profile import SpecProfile, draft_profile_path, host_kind
+from sglang_eagle3.engine.speculation import DRAFTERS, MAX_NODES, TREE_SIZING, Drafting, SpecConfig
 from sglang_eagle3.errors import UserError, check_at_least
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.config import ConfigError

@@ -57,7 +57,8 @@ def test_acceptance_runs_the_profiles_long_context_tree(env, tmp_path, monkeypat
     import shutil
 
     from sglang_eagle3.engine import scheduler as S
-    from sglang_eagle3.engine.speculation import SpecConfig, host_kind
+    from sglang_eagle3.engine.profile import host_kind
+    from sglang_eagle3.engine.speculation import SpecConfig
     ran = []
     spec_for = S.Scheduler.spec_for
     monkeypatch.setattr(S.Scheduler, "spec_for", lambda self, *a: ran.append(spec_for(self, *a)) or ran[-1]

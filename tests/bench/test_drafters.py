@@ -31,8 +31,8 @@ def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
     assert acceptance(env, out, "--datasets", "mt_bench,mt_bench_turn2,code_edit", "--drafters",
                       ",".join(columns), "--choose-into", str(profile)) == 0
     res = json.loads(out.read_text())
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
     from sglang_eagle3.engine.settings import resolve_settings
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
     chosen = json.loads(profile.read_text())["by_host"][host_kind()]["drafting"]
     best = max(columns, key=lambda c: res["average"][c]["speedup_median"])
     assert (chosen["drafter"], chosen["tree"]) == (best.split("-")[0], "auto" if best.endswith("auto") else "profile")

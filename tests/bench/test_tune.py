@@ -14,8 +14,8 @@ from bench_env import PNG_MAGIC
 from conftest import JSONHandler
 
 from sglang_eagle3.bench import report
-from sglang_eagle3.bench.tune import load_profile
 from sglang_eagle3.bench.tune import main as tune_main
+from sglang_eagle3.bench.tune import profile_tree_at
 from sglang_eagle3.bench.tune_grid import ProfileError, adaptive_config, select_best, tree_grid, tree_key
 from sglang_eagle3.engine.speculation import SpecConfig
 
@@ -61,7 +61,7 @@ def test_tune_engine_end_to_end(env, tmp_path, capsys):
     assert set(k for k in adaptive if k.isdigit()) == {"1", "2"}
     assert prof["sglang_adaptive"]["path"] == "prof.sglang_adaptive.json"     # outside the repository: the name only
     for bs in (1, 2):
-        entry, spec = prof["per_batch_size"][str(bs)], load_profile(str(out), bs)
+        entry, spec = prof["per_batch_size"][str(bs)], profile_tree_at(str(out), bs)
         if entry["speculation"]:
             assert spec == SpecConfig(entry["num_steps"], entry["topk"], entry["num_draft_tokens"])
             assert entry["speedup"] >= 1.0
@@ -121,21 +121,21 @@ def test_select_best_and_adaptive_config():
 def test_load_profile_routing_and_errors(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"per_batch_size": select_best(ROWS)}))
-    assert load_profile(str(path), 1) == SpecConfig(3, 4, 16)
-    assert load_profile(str(path), 3) == SpecConfig(3, 4, 16)     # largest measured batch size below
-    assert load_profile(str(path), 4) == SpecConfig(1, 1, 2)
-    assert load_profile(str(path), 64) is None                    # speculation: false
+    assert profile_tree_at(str(path), 1) == SpecConfig(3, 4, 16)
+    assert profile_tree_at(str(path), 3) == SpecConfig(3, 4, 16)     # largest measured batch size below
+    assert profile_tree_at(str(path), 4) == SpecConfig(1, 1, 2)
+    assert profile_tree_at(str(path), 64) is None                    # speculation: false
     path.write_text(json.dumps({"per_batch_size": {"2": None, "8": {"num_steps": 2, "topk": 1,
                                                                     "num_draft_tokens": 3}}}))
-    assert load_profile(str(path), 1) is None and load_profile(str(path), 9) == SpecConfig(2, 1, 3)
+    assert profile_tree_at(str(path), 1) is None and profile_tree_at(str(path), 9) == SpecConfig(2, 1, 3)
     with pytest.raises(FileNotFoundError, match="tune_spec"):
-        load_profile(str(tmp_path / "missing.json"), 1)
+        profile_tree_at(str(tmp_path / "missing.json"), 1)
     for text, msg in [("{oops", "not valid JSON"), ('{"per_batch_size": {"a": {}}}', "integer batch-size keys"),
                       ('{"per_batch_size": {"1": {"num_steps": 2}}}', r"per_batch_size\[1\]"),
                       ('{"per_batch_size": {"1": {"num_steps": 1, "topk": 4, "num_draft_tokens": 9}}}', "exceeds")]:
         path.write_text(text)
         with pytest.raises(ProfileError, match=msg):
-            load_profile(str(path), 1)
+            profile_tree_at(str(path), 1)
 
 
 def test_adaptive_config_accepted_by_sglang(tmp_path):
@@ -209,7 +209,7 @@ def test_tune_against_sglang_server(env, tmp_path, fake_server, capsys):
     assert prof["per_batch_size"]["1"]["speculation"] and prof["per_batch_size"]["1"]["num_steps"] == 3
     assert prof["per_batch_size"]["2"]["speculation"] is False
     assert json.loads((tmp_path / "srv.sglang_adaptive.json").read_text())["2"] == {"candidate_steps": [0]}
-    assert load_profile(str(out), 1) == SpecConfig(3, 1, 4) and load_profile(str(out), 2) is None
+    assert profile_tree_at(str(out), 1) == SpecConfig(3, 1, 4) and profile_tree_at(str(out), 2) is None
     capsys.readouterr()
     FakeSGLang.model = "/models/other"                                   # another target: refused, not mixed
     try:
@@ -259,7 +259,8 @@ def test_tune_host_table_into_a_profile(env, tmp_path, capsys):
     """--host-table-into PROFILE stores the run's best trees as the table for this kind of host (by_host[kind]);
     SpecProfile.load then takes them on such a host and the profile's own table elsewhere. A sampled host table
     needs the greedy one first; a missing profile is refused in one line."""
-    from sglang_eagle3.engine.speculation import SpecConfig, SpecProfile, host_kind
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
+    from sglang_eagle3.engine.speculation import SpecConfig
     prof = tmp_path / "prof.json"
     base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
             "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",
@@ -309,7 +310,7 @@ def test_tune_long_context_table_into_a_host_table(env, tmp_path, capsys):
     tokens or more (by_host[kind].long_context), next to its batch-size table, which stays as it was; without
     --host-table-into, at --temperature > 0, or over prompts shorter than N it is refused in one line before
     anything is measured."""
-    from sglang_eagle3.engine.speculation import SpecProfile, host_kind
+    from sglang_eagle3.engine.profile import SpecProfile, host_kind
     prof = tmp_path / "prof.json"
     base = ["--target", env["target"], "--draft", env["draft"], "--dataset", "gsm8k", "--n", "2", "--max-new-tokens",
             "4", "--ignore-eos", "--batch-sizes", "1", "--num-steps-grid", "1", "--topk-grid", "1,2",

@@ -323,7 +323,7 @@ def test_the_sglang_launch_resolves_the_settings_for_a_gpu(capsys, folders, monk
     the one for this CPU (the settings were resolved for a CPU)."""
     import shutil
 
-    from sglang_eagle3.engine.speculation import host_kind
+    from sglang_eagle3.engine.profile import host_kind
     draft = tmp_path / "draft"
     shutil.copytree(folders["draft"], draft)
     tree = {"cuda": (2, 1, 3), host_kind(): (3, 2, 6)}
