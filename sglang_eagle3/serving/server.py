@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server on our engine (`eagle3 serve --engine builtin`).
 
 Thin by design: the HTTP layer lives here (request models, their checks and the response pieces in
-openai_protocol.py); one scheduler thread
-(scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
+openai_protocol.py; a finished response's body in responses.py, a streamed one's events in streaming.py); one
+scheduler thread (scheduler.py) owns the batch, the KV rows and the speculative worker; each request streams its text
 deltas back through an asyncio queue. Endpoints: POST /v1/chat/completions, POST /v1/completions
 (both with "stream": true as server-sent events ending with [DONE]), GET /v1/models, GET /v1/models/{model},
 GET /health, GET /metrics (Prometheus text). Each response carries its speculative statistics in `spec_stats`, and
@@ -22,8 +22,9 @@ import re
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from functools import partial
 from itertools import accumulate
 from typing import Any, Optional
 
@@ -41,19 +42,16 @@ from sglang_eagle3.serving.openai_protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
-    chat_logprobs,
     chat_prompt,
     choice_params,
-    completion_logprobs,
     completion_prompt,
     describe,
-    finish_reason,
     include_usage,
     reported_logprobs,
     sampling_params,
-    spec_stats,
-    usage,
 )
+from sglang_eagle3.serving.responses import ResponseInfo, response_body, response_id
+from sglang_eagle3.serving.streaming import stream_events
 
 RETRY_AFTER_S = 1
 SHUTDOWN_GRACE_S = 5.0            # stopping the server: how long requests still generating may go on
@@ -260,16 +258,79 @@ async def hung_up(http: HTTPRequest, queue: asyncio.Queue) -> None:
     queue.put_nowait(HUNG_UP)
 
 
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglang-eagle3",
+            **state.info}
+
+
+async def respond(handler: Handler, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt, chat: bool):
+    """One request's choices run against the scheduler: their answer in one body, or as events (stream=true)."""
+    state = handler.state
+    handler.check_model(body.model)
+    if state.closing:
+        raise shutting_down()
+    prompt_ids = await handler.tokenized(prompt)
+    params = sampling_params(body, len(prompt_ids), state.scheduler.limit - state.scheduler.tree_slots, chat)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
+    echo = ""                                                   # completions: the prompt before the answer
+    if not chat and body.echo:
+        echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
+    info = ResponseInfo(response_id(chat), chat, state.model_name, state.tokenizer, echo)
+    state.responses[queue] = reqs
+    if body.stream:
+        events = stream_events(info, reqs, partial(next_delta, queue), include_usage(body),
+                               partial(end_response, state, reqs, queue))
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    if not await all_finished(state, http, reqs, queue):
+        return Response(status_code=499)                 # nobody reads it: the client has gone
+    return response_body(info, reqs)
+
+
+async def next_delta(queue: asyncio.Queue):
+    """A streamed response's next delta from its queue; the server stopping its requests raises the 503."""
+    item = await queue.get()
+    if item == SHUTTING_DOWN:
+        raise shutting_down()
+    return item
+
+
+async def all_finished(state: ServerState, http: HTTPRequest, reqs: list[Request], queue: asyncio.Queue) -> bool:
+    """Wait for a non-streamed response's requests: True once all have finished, False if the client hung up
+    first (they are cancelled, their rows freed); shutdown stops them with a 503."""
+    watch = asyncio.ensure_future(hung_up(http, queue))
+    try:
+        while not all(r.done.is_set() for r in reqs):
+            item = await queue.get()
+            if item == SHUTTING_DOWN:
+                raise shutting_down()
+            if item == HUNG_UP:
+                return False
+        return True
+    finally:
+        watch.cancel()
+        end_response(state, reqs, queue)
+
+
+def end_response(state: ServerState, reqs: list[Request], queue: asyncio.Queue) -> None:
+    """A response is over, however: requests still running are cancelled (a client gone, a failed choice)."""
+    state.responses.pop(queue, None)
+    for req in reqs:
+        if not req.done.is_set():
+            state.scheduler.cancel(req)
+
+
+@asynccontextmanager
+async def scheduler_running(state: ServerState):
+    """The app's lifespan: the scheduler's thread (and the tokenizer's) run while the app does."""
+    state.start()
+    yield
+    state.stop()
+
+
 def create_app(state: ServerState):
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state.start()
-        yield
-        state.stop()
-
-    app = FastAPI(title="sglang-eagle3", lifespan=lifespan)
+    """The app: OpenAI-shaped errors, the body limit, and the routes."""
+    app = FastAPI(title="sglang-eagle3", lifespan=lambda app: scheduler_running(state))
     app.router.route_class = BodyRoute
     handler = Handler(state)
 
@@ -292,157 +353,30 @@ def create_app(state: ServerState):
     async def health():
         return {"status": "ok", **state.scheduler.load()}
 
-    def model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglang-eagle3",
-                **state.info}
-
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(state)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         handler.check_model(name)
-        return model_card()
+        return model_card(state)
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(state.metrics.text(state.scheduler.load()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def run(http: HTTPRequest, body, prompt, chat: bool):
-        handler.check_model(body.model)
-        if state.closing:
-            raise shutting_down()
-        prompt_ids = await handler.tokenized(prompt)
-        params = sampling_params(body, len(prompt_ids), state.scheduler.limit - state.scheduler.tree_slots, chat)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        reqs = handler.submit(prompt_ids, choice_params(params, body.n), prompt, loop, queue)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        obj = "chat.completion" if chat else "text_completion"
-        echo = ""                                                   # completions: the prompt before the answer
-        if not chat and body.echo:
-            echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
-        state.responses[queue] = reqs
-        if body.stream:
-            return StreamingResponse(stream(reqs, queue, rid, chat, include_usage(body), echo),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        if not await finished(http, reqs, queue):
-            return Response(status_code=499)                 # nobody reads it: the client has gone
-        failed = next((r for r in reqs if r.finish_reason == "error"), None)
-        if failed:
-            raise APIError(500, f"generation failed: {failed.error}", None, None, "server_error")
-        choices = []
-        for i, req in enumerate(reqs):
-            choice = {"index": i, "finish_reason": finish_reason(req), "logprobs": None}
-            if req.output_logprobs is not None:
-                entries = req.output_logprobs[:reported_logprobs(req)]
-                choice["logprobs"] = (chat_logprobs if chat else completion_logprobs)(state.tokenizer, entries)
-            if chat:
-                choice["message"] = {"role": "assistant", "content": req.text}
-            else:
-                choice["text"] = echo + req.text
-            choices.append(choice)
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
-                "choices": choices, "usage": usage(reqs), "spec_stats": spec_stats(reqs)}
-
-    async def finished(http: HTTPRequest, reqs: list[Request], queue: asyncio.Queue) -> bool:
-        """Wait for a non-streamed response's requests: True once all have finished, False if the client hung up
-        first (they are cancelled, their rows freed); shutdown stops them with a 503."""
-        watch = asyncio.ensure_future(hung_up(http, queue))
-        try:
-            while not all(r.done.is_set() for r in reqs):
-                item = await queue.get()
-                if item == SHUTTING_DOWN:
-                    raise shutting_down()
-                if item == HUNG_UP:
-                    return False
-            return True
-        finally:
-            watch.cancel()
-            ended(reqs, queue)
-
-    def ended(reqs: list[Request], queue: asyncio.Queue) -> None:
-        """A response is over, however: requests still running are cancelled (a client gone, a failed choice)."""
-        state.responses.pop(queue, None)
-        for req in reqs:
-            if not req.done.is_set():
-                state.scheduler.cancel(req)
-
-    async def stream(reqs: list[Request], queue, rid, chat, include_usage, echo=""):
-        created = int(time.time())
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = [{"entries": 0, "chars": 0} for _ in reqs]   # per choice: log-prob entries streamed, their text length
-
-        def logprobs_upto(i: int, n: int):
-            req, done = reqs[i], sent[i]
-            if req.output_logprobs is None or n <= done["entries"]:
-                return None
-            entries = req.output_logprobs[done["entries"]:n]
-            done["entries"] = n
-            if chat:
-                return chat_logprobs(state.tokenizer, entries)
-            out = completion_logprobs(state.tokenizer, entries, done["chars"])
-            done["chars"] = out["text_offset"][-1] + len(out["tokens"][-1])     # where the next piece starts
-            return out
-
-        def chunk(i, delta_text=None, reason=None, role=False, extra=None, logprobs=None):
-            if chat:
-                if role:
-                    delta = {"role": "assistant", "content": ""}
-                else:
-                    delta = {"content": delta_text} if delta_text else {}
-                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-            else:
-                choice = {"index": i, "text": delta_text or "", "finish_reason": reason, "logprobs": logprobs}
-            body = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name, "choices": [choice]}
-            if extra:
-                body.update(extra)
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        try:
-            for i in range(len(reqs)):
-                if chat or echo:
-                    yield chunk(i, role=True) if chat else chunk(i, echo)
-            open_choices = set(range(len(reqs)))
-            while open_choices:
-                item = await queue.get()
-                if item == SHUTTING_DOWN:
-                    yield f"data: {json.dumps(shutting_down().body())}\n\n"
-                    break
-                i, delta, done, reported = item
-                req = reqs[i]
-                if delta:
-                    yield chunk(i, delta, logprobs=logprobs_upto(i, reported))
-                if not (done and req.done.is_set() and i in open_choices):
-                    continue
-                open_choices.discard(i)
-                if req.finish_reason == "error":
-                    err = APIError(500, f"generation failed: {req.error}", kind="server_error").body()
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                last = not open_choices                  # spec_stats over every choice, on the last one to finish
-                yield chunk(i, reason=finish_reason(req), extra={"spec_stats": spec_stats(reqs)} if last else None,
-                            logprobs=logprobs_upto(i, reported_logprobs(req)))
-            else:
-                if include_usage:
-                    last = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name,
-                            "choices": [], "usage": usage(reqs)}
-                    yield f"data: {json.dumps(last)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            ended(reqs, queue)                           # client disconnected mid-stream, a choice failed, shutdown
-
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatRequest):
-        return await run(http, body, chat_prompt(body), chat=True)
+        return await respond(handler, http, body, chat_prompt(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionRequest):
         prompt = completion_prompt(body.prompt)
         if is_token_ids(prompt):
             handler.check_token_ids(prompt)             # token ids go to the model as they are, not re-tokenized
-        return await run(http, body, prompt, chat=False)
+        return await respond(handler, http, body, prompt, chat=False)
 
     return app
 
