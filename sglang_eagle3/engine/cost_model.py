@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from sglang_eagle3.engine.step_record import StepRecord
 from sglang_eagle3.errors import one_line
 from sglang_eagle3.fileio import existing_ancestor, write_json
 from sglang_eagle3.kernels import extension
@@ -238,6 +239,14 @@ class TreePlanner:
             return True
         self.idle[batch] = idle + 1
         return False
+
+    def observe(self, step: StepRecord) -> None:
+        """A finished step (what the speculative worker tells its observer): its tree, its verify's cost
+        (where timed) and, where the draft ran, the tokens per second it delivered."""
+        self.observe_size(step.batch, step.nodes, step.drafted)
+        if step.forward_s is not None:
+            self.observe_verify(step.batch, step.nodes, step.context, step.forward_s)
+        self.observe_step(step.batch, step.drafted, step.tokens, step.times.draft + step.times.verify)
 
     def observe_size(self, batch: int, nodes: int, drafted: bool) -> None:
         """A step's tree: the root alone and no draft counts toward an idle stretch, anything else ends it."""

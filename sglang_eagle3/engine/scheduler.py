@@ -227,25 +227,17 @@ class Scheduler:
         active = [r for r in self.running if not r.finished]
         if active:
             context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
-            greedy = [r.params.greedy for r in active]
-            keys = [r.rid for r in active]
             if self.planner is not None:
                 self.planner.prepare(len(active))          # this batch size's costs: measured the first time
-            look = self.context is not None and (self.planner is None or self.planner.wants_proposals(len(active)))
-            proposals = self.context.proposals(keys, greedy) if look else None
-            res = self.worker.step([r.row for r in active], [r.params for r in active],
-                                   [r.generator for r in active],
-                                   self.spec_for(len(active), not all(greedy), context), proposals, self.planner,
-                                   context)
-            if self.context is not None and res.tree_tokens is not None:
-                self.context.observe(keys, greedy, res.emitted, res.tree_tokens, res.tree_parents)
+            res = self.worker.step([r.row for r in active], [r.params for r in active], [r.generator for r in active],
+                                   self.spec_for(len(active), not all(r.params.greedy for r in active), context),
+                                   [r.rid for r in active], context, self.context, self.planner)
             self._count(res)
-            for i, (req, tokens) in enumerate(zip(active, res.emitted)):
-                kept = self._emit(req, tokens, res.logprobs[i] if res.logprobs else None)
-                if res.context_accepted:                  # among the kept tokens but the last (the step's bonus)
-                    from_context = sum(res.context_accepted[i][:max(0, kept - 1)])
-                    req.context_tokens += from_context
-                    self.stats.context_tokens += from_context
+            for req, tokens, logprobs, from_context in zip(active, res.emitted, res.logprobs, res.from_context):
+                kept = self._emit(req, tokens, logprobs)
+                counted = sum(from_context[:max(0, kept - 1)])    # among the kept tokens but the last (the bonus)
+                req.context_tokens += counted
+                self.stats.context_tokens += counted
         self._release()
 
     def _count(self, res) -> None:

@@ -1,20 +1,18 @@
 """The speculative worker: one decoding step for a set of pool rows, and the prefill of one request.
 
-One step for rows at root token x_n (the last verified token of each request):
-  1. draft:   grow a tree from the draft's state at position n-1           (tree.grow_tree)
-  2. verify:  one target forward over the tree with its ancestor mask      (TargetModel.forward)
-  3. accept:  greedy walk as tensor maths, or lossless tree sampling       (verify.py)
-  4. commit:  keep the accepted KV slots; draft-extend over the accepted tokens with the target's
-              fused features, which also gives the draft state for the next tree.
-With draft=None (or a step without speculation) the tree is the root alone: one token per target forward.
+A step (SpecWorker.step), for rows at root token x_n (the last verified token of each request):
+  propose: the context's chains (suffix.ContextDrafter), then the draft's candidates from its state at position n-1
+           (DraftProposer), merged; the planner (--tree auto) decides whether the draft runs
+  plan:    the tree to verify: the best candidates, their number decided in one place (tree_size)
+  verify:  one target forward over every row's tree with its ancestor mask; acceptance (a greedy walk as tensor
+           maths, or lossless tree sampling: verify.py); the accepted KV slots kept, the roots moved
+  commit:  each proposer's hook: the draft holds the accepted pairs for its next extend, the context learns
+Then its observers (the planner) see the step's record once. Without proposals the tree is the root alone: one
+token per row and target forward.
 
-The draft-extend pairs of each step are held per row and run just before that row's next tree is drafted:
-steps without speculation (the profile turns it off at large batch sizes) then cost the draft nothing
-until it is needed again, or until PENDING_MAX pairs have piled up.
-
-State lives in fixed-size tensors indexed by pool row (the scheduler owns which request holds which row):
-the target's and the draft's KV pools, and per row the root token, its position and the draft's last
-hidden state / logits. Nothing is copied when requests come and go.
+State lives in fixed-size tensors indexed by pool row (the scheduler owns which request holds which row): the target's
+KV pool, per row the root token and its position, and the draft's state (proposers.DraftProposer). Nothing is copied
+when requests come and go.
 """
 from __future__ import annotations
 
@@ -27,14 +25,15 @@ import torch
 from torch.profiler import record_function
 
 from sglang_eagle3.engine.cost_model import TreePlanner
+from sglang_eagle3.engine.proposers import DraftProposer, Proposer, StepBatch, VerifyOutput
 from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.step_record import StepClock, StepRecord, StepTimes
 from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.engine.tree import (
+    Candidates,
     DraftTree,
-    add_proposals,
     build_draft_tree,
-    draft_candidates,
-    pool_attend,
+    merge_candidates,
     root_only_tree,
     sorted_scores,
     tree_of,
@@ -56,22 +55,26 @@ from sglang_eagle3.engine.verify import (
 from sglang_eagle3.kernels import decode as K
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.kernels.decode import sampling_in_extension
-from sglang_eagle3.models.kvcache import KVPool, prefill_attention, tree_new_mask
-from sglang_eagle3.models.target import PREFILL_T
+from sglang_eagle3.models.target import TargetOutput
 
-PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
 MAX_CONTEXT_NODES = 16  # context-proposed nodes a fixed-size tree takes beside the draft's
 
 
 @dataclass
-class StepTimes:
-    draft: float = 0.0      # tree growth + draft extend
-    verify: float = 0.0     # target forward + acceptance + commit
-    prefill: float = 0.0
+class Proposal:
+    """What the proposers offer this step."""
+    candidates: Optional[Candidates]    # None: nothing proposed
+    drafted: bool = False               # the draft ran
+    draft_s: float = 0.0                # its seconds (the planner counts them in the step's rate)
+    with_context: bool = False          # the context's are among them (the tree tells them apart)
 
-    def add(self, other: "StepTimes") -> None:
-        self.draft, self.verify, self.prefill = (self.draft + other.draft, self.verify + other.verify,
-                                                 self.prefill + other.prefill)
+
+@dataclass
+class StepPlan:
+    """The tree a step verifies."""
+    tree: DraftTree
+    from_context: Optional[torch.Tensor]   # [B, N] bool: the context alone proposed the node (None: no such node)
+    drafted: bool
 
 
 @dataclass
@@ -82,17 +85,15 @@ class StepResult:
     logprobs: list[Optional[list[TokenLogprob]]] = field(default_factory=list)   # per row, rows that asked for them
     nodes: int = 1                      # tokens per row the verify ran (tree size, the root included)
     drafted: bool = False               # the draft ran this step
-    context_accepted: list[list[bool]] = field(default_factory=list)   # per row, its accepted draft nodes in order:
-                                                                       # proposed by the context alone
-    tree_tokens: Optional[list[list[int]]] = None    # the tree (with proposals): node tokens per row
-    tree_parents: Optional[list[list[int]]] = None   # and node parents
+    from_context: list[list[bool]] = field(default_factory=list)   # per row, its accepted draft tokens in order:
+                                                                   # proposed by the context alone
 
 
 class SpecWorker:
     def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0,
                  cuda_graphs: Optional[bool] = None):
-        self.target, self.draft = target, draft
-        dev, dtype = target.device, target.dtype
+        self.target = target
+        dev = target.device
         self.num_rows, self.max_len = num_rows, max_len
         use_graphs = (dev.type == "cuda" and extension.mode() != "off") if cuda_graphs is None else cuda_graphs
         # on CUDA one extra pool row pads batches up to a captured graph's bucket (cuda_graphs.py)
@@ -103,23 +104,10 @@ class SpecWorker:
             self.graphs = CudaGraphRunner(target, self.tpool, spare_row=num_rows, want_aux=draft is not None)
         self.roots = torch.zeros(num_rows, dtype=torch.long, device=dev)        # last verified token per row
         self.root_pos = torch.zeros(num_rows, dtype=torch.long, device=dev)     # its position
-        self.dpool = None
-        if draft is not None:
-            c = draft.config
-            self.dpool = KVPool(1, num_rows, c.num_key_value_heads, max_len + draft_tree_slots + 2, c.head_dim,
-                                dtype, dev)
-            self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
-            self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
-            self.scale = c.head_dim ** -0.5
-            # (target feature t, token t+1, position t) pairs not yet run through the draft, per row
-            n_feat = len(target.aux_layer_ids) * target.hidden_size
-            self.pend_feats = torch.zeros(num_rows, PENDING_MAX, n_feat, dtype=dtype, device=dev)
-            self.pend_ids = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
-            self.pend_pos = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
-            self.pend_count = [0] * num_rows     # pairs held per row, on the host (the step syncs its counts anyway)
+        self.drafter = DraftProposer(draft, target, num_rows, max_len, draft_tree_slots) if draft is not None else None
 
     def nbytes(self) -> int:
-        return self.tpool.nbytes() + (self.dpool.nbytes() if self.dpool is not None else 0)
+        return self.tpool.nbytes() + (self.drafter.nbytes() if self.drafter is not None else 0)
 
     # ---- prefill -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -140,169 +128,135 @@ class SpecWorker:
         pos = torch.arange(T, device=dev).view(1, T)
         self.tpool.reset(rows)
         out = self.target(self.tpool, ids, pos, rows=rows, logit_index=torch.tensor([[T - 1]], device=dev),
-                          want_aux=self.draft is not None)
+                          want_aux=self.drafter is not None)
         self.tpool.commit_prefix(rows, torch.tensor([T], device=dev))
         root = int(sample_tokens(out.logits[:, 0], [params], [generator])[0])
         lp = None if params.logprobs is None else \
             token_logprobs(out.logits[0, :1], torch.tensor([root], device=dev), params.logprobs)[0]
         self.roots[row], self.root_pos[row] = root, T
-        if self.draft is not None:
-            self.dpool.reset(rows)
-            self.pend_count[row] = 0
+        if self.drafter is not None:
             d_in = torch.cat([ids[:, 1:], torch.tensor([[root]], device=dev)], 1)   # (feature t, token t+1)
-            self._draft_extend(rows, d_in, out.aux_hidden_states, pos, torch.tensor([T], device=dev))
+            self.drafter.start(row, d_in, out.aux_hidden_states, pos)
         return root, time.perf_counter() - t0, lp
 
     # ---- one decoding step -------------------------------------------------------------------
     @torch.no_grad()
     def step(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
-             spec: Optional[SpecConfig], proposals: Optional[list[list[tuple]]] = None,
-             planner: Optional[TreePlanner] = None, context: int = 0) -> StepResult:
-        """One draft -> verify -> accept -> commit -> extend step for these rows. spec None: the draft does not run.
-        proposals[b]: row b's chains from the context, (tokens, cumulative log chances), merged into its tree;
-        planner: decides per step whether to draft and how many nodes to verify (else spec.num_draft_tokens nodes
-        plus the context's); context: the longest row's tokens (what a verify's attention reads)."""
-        t0 = time.perf_counter()
-        r = torch.tensor(rows, device=self.target.device)
-        root_pos = self.root_pos[r]
-        tree, from_context, drafted = self._tree(rows, r, spec, proposals, planner, context)
+             spec: Optional[SpecConfig], keys: Sequence = (), context: int = 0,
+             context_proposer: Optional[Proposer] = None, planner: Optional[TreePlanner] = None) -> StepResult:
+        """propose -> plan -> verify -> commit for these rows. spec None: the draft does not run; keys: the rows'
+        request ids (the streams of context_proposer, suffix.ContextDrafter); context: the longest row's tokens;
+        planner: sizes the tree and decides the draft per step (--tree auto; else the fixed tree)."""
+        clock = StepClock()
+        batch = self.batch(rows, params, generators, spec, keys, context)
+        proposal = self.propose(batch, context_proposer, planner)   # the context's candidates, the draft's, merged
+        plan = self.plan(batch, proposal, planner)                  # the tree to verify
+        clock.mark("verify")
+        out = self.forward(batch, plan.tree)                        # the target over every row's tree
+        clock.mark("forward")
+        verified = self.verify(batch, plan.tree, out)               # accepted paths, their KV kept, the roots moved
+        clock.mark("verified")
+        self.commit(batch, verified, context_proposer)              # the draft holds its pairs, the context learns
+        record = self.record(batch, plan, verified, clock)
         if planner is not None:
-            planner.observe_size(len(rows), tree.num_nodes, drafted)
-        t1 = time.perf_counter()
-        with record_function("eagle3::verify_forward"):
-            tv = self.graphs.forward(r, tree.tokens, tree.positions, tree.mask) if self.graphs is not None else None
-            if tv is None:
-                tv = self.target(self.tpool, tree.tokens, tree.positions, rows=r, tree_mask=tree.mask,
-                                 want_aux=self.draft is not None)
-        if planner is not None and self.target.device.type == "cpu":
-            planner.observe_verify(len(rows), tree.num_nodes, context, time.perf_counter() - t1)
-        with record_function("eagle3::accept"):
-            acc = accept(tree, tv.logits, params, generators)
-            counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync
-        A = max(counts)
-        path = acc.path[:, :A]
-        with record_function("eagle3::kv_commit"):
-            self.tpool.commit(r, path, acc.count)
-            last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
-            self.roots[r], self.root_pos[r] = last, root_pos + acc.count
-        logprobs = [None if p.logprobs is None else
-                    token_logprobs(tv.logits[b, path[b, :n]], acc.emitted[b, :n], p.logprobs)   # emitted[j]: at path[j]
-                    for b, (p, n) in enumerate(zip(params, counts))]
-        t2 = time.perf_counter()
-        if self.draft is not None:
-            with record_function("eagle3::draft_hold"):
-                self._hold(rows, acc.emitted, tv.aux_hidden_states, tree.positions, path, counts)
-        times = StepTimes(draft=(t1 - t0) + (time.perf_counter() - t2), verify=t2 - t1)
-        if planner is not None:
-            planner.observe_step(len(rows), drafted, sum(counts), times.draft + times.verify)
-        context_accepted = [[] for _ in rows]
-        if from_context is not None:
-            on_path = torch.gather(from_context, 1, path)[:, 1:].tolist()              # accepted draft nodes
-            context_accepted = [f[:n - 1] for f, n in zip(on_path, counts)]
-        return StepResult(rows, [e[:n] for e, n in zip(emitted, counts)], times, logprobs, tree.num_nodes, drafted,
-                          context_accepted, tree.tokens.tolist() if proposals else None,
-                          tree.parents.tolist() if proposals else None)
+            planner.observe(record)                                 # verify costs, the draft's rate, idle stretches
+        return StepResult(rows, verified.emitted, record.times, verified.logprobs, plan.tree.num_nodes, plan.drafted,
+                          accepted_from_context(plan, verified))
 
-    def _tree(self, rows: list[int], r: torch.Tensor, spec: Optional[SpecConfig], proposals, planner,
-              context: int) -> tuple[DraftTree, Optional[torch.Tensor], bool]:
-        """This step's tree, whether the context alone proposed each node ([B, N] bool, or None) and whether the
-        draft ran."""
-        roots, root_pos = self.roots[r], self.root_pos[r]
-        dev, B = r.device, len(rows)
-        has_proposals = bool(proposals) and any(proposals)
-        if spec is None and not has_proposals:
-            return root_only_tree(roots, root_pos), None, False
-        alone = add_proposals(None, proposals, dev) if has_proposals else None
-        drafted = self.draft is not None and spec is not None and (planner is None or planner.wants_draft(
-            sorted_scores(alone) if alone is not None else None, B, context))
+    def batch(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
+              spec: Optional[SpecConfig], keys: Sequence, context: int) -> StepBatch:
+        """The step's rows with their roots."""
+        index = torch.tensor(rows, device=self.target.device)
+        return StepBatch(rows, params, generators, spec, keys, context, index, self.roots[index], self.root_pos[index])
+
+    def propose(self, batch: StepBatch, context_proposer: Optional[Proposer],
+                planner: Optional[TreePlanner]) -> Proposal:
+        """The context's candidates (where it is looked up), then the draft's with them merged in (where it runs)."""
+        looked = context_proposer is not None and (planner is None or planner.wants_proposals(batch.size))
+        alone = context_proposer.propose(batch) if looked else None
+        if not self.drafts(batch, alone, planner):
+            return Proposal(alone, with_context=alone is not None)
         t0 = time.perf_counter()
-        if drafted:
-            with record_function("eagle3::draft_extend"):
-                self._catch_up(rows)
-            with record_function("eagle3::draft_tree"):
-                cands = draft_candidates(self.draft, self.dpool, r, self.d_hidden[r], self.d_logits[r], roots,
-                                         root_pos, spec)
-                cands = add_proposals(cands, proposals, dev) if has_proposals else cands
-        else:
-            cands = alone
-        if cands is None:
-            return root_only_tree(roots, root_pos), None, False
-        room = 1 + min(cands.finite())
-        if planner is not None:
-            draft_s = time.perf_counter() - t0 if drafted else 0.0
-            size, _ = planner.size(sorted_scores(cands), B, context, draft_s)
-        else:                                   # the fixed tree's nodes, plus the context's own
-            extra = int(cands.from_context.logical_and(torch.isfinite(cands.scores)).sum(1).max())
-            size = min(room, (spec.num_draft_tokens if drafted else 1) + min(extra, MAX_CONTEXT_NODES))
+        cands = self.drafter.propose(batch)
+        cands = cands if alone is None else merge_candidates(cands, alone)
+        return Proposal(cands, True, time.perf_counter() - t0, with_context=alone is not None)
+
+    def drafts(self, batch: StepBatch, alone: Optional[Candidates], planner: Optional[TreePlanner]) -> bool:
+        """Run the draft this step? Where there is one and the step has a tree for it, when the planner (if any) expects
+        more of it than of the context's candidates `alone`."""
+        if self.drafter is None or batch.spec is None:
+            return False
+        return planner is None or planner.wants_draft(sorted_scores(alone) if alone is not None else None, batch.size,
+                                                      batch.context)
+
+    def plan(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> StepPlan:
+        """The tree of the tree_size - 1 best candidates; the root alone where that is 1 (or nothing was proposed)."""
+        size, cands = self.tree_size(batch, proposal, planner), proposal.candidates
         if size <= 1:
-            return root_only_tree(roots, root_pos), None, drafted
-        if not has_proposals:                   # the draft's nodes alone: nothing to tell apart
-            return build_draft_tree(cands.tokens, cands.scores, cands.parents, roots, root_pos, size), None, drafted
-        tree, from_context = tree_of(cands, roots, root_pos, size)
-        return tree, from_context, drafted
+            return StepPlan(root_only_tree(batch.roots, batch.root_pos), None, proposal.drafted)
+        if proposal.with_context:              # the tree tells the context's nodes apart
+            return StepPlan(*tree_of(cands, batch.roots, batch.root_pos, size), proposal.drafted)
+        tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size)
+        return StepPlan(tree, None, proposal.drafted)
 
-    def _hold(self, rows: list[int], emitted, aux, tree_positions, path, counts: list[int]) -> None:
-        """Queue this step's pairs for the draft: per row b the accepted path[b, :counts[b]] of the verified tree,
-        its target features aux [B, N, F] and positions, with the emitted tokens [B, N] (the token after each).
-        Rows that would overflow catch up first."""
-        full = [r for r, c in zip(rows, counts) if self.pend_count[r] + c > PENDING_MAX]
-        if full:
-            self._catch_up(full)
-        if len(rows) == 1:                                    # batch 1: slices, no index tensors
-            r, s, c = rows[0], self.pend_count[rows[0]], counts[0]
-            nodes = path[0, :c]
-            self.pend_ids[r, s:s + c] = emitted[0, :c]
-            self.pend_pos[r, s:s + c] = tree_positions[0, nodes]
-            self.pend_feats[r, s:s + c] = aux[0, nodes].to(self.pend_feats.dtype)
-            self.pend_count[r] = s + c
-            return
-        dev = emitted.device
-        src_b = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=dev)
-        src_j = torch.tensor([j for c in counts for j in range(c)], device=dev)
-        row = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)], device=dev)
-        slot = torch.tensor([self.pend_count[r] + j for r, c in zip(rows, counts) for j in range(c)], device=dev)
-        nodes = path[src_b, src_j]
-        self.pend_ids[row, slot] = emitted[src_b, src_j]
-        self.pend_pos[row, slot] = tree_positions[src_b, nodes]
-        self.pend_feats[row, slot] = aux[src_b, nodes].to(self.pend_feats.dtype)
-        for r, c in zip(rows, counts):
-            self.pend_count[r] += c
+    def tree_size(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> int:
+        """Nodes per row to verify, the root included (1: the root alone). The planner's choice under --tree auto;
+        else the fixed tree's nodes where the draft ran, plus the context's own up to MAX_CONTEXT_NODES, at most
+        every row's candidates."""
+        cands = proposal.candidates
+        if cands is None:
+            return 1
+        if planner is not None:
+            return planner.size(sorted_scores(cands), batch.size, batch.context, proposal.draft_s)[0]
+        drafted = batch.spec.num_draft_tokens if proposal.drafted else 1
+        extra = min(cands.context_nodes(), MAX_CONTEXT_NODES) if proposal.with_context else 0
+        return min(1 + min(cands.finite()), drafted + extra)
 
-    def _catch_up(self, rows: list[int]) -> None:
-        """Run the held pairs of these rows through the draft (one batched extend)."""
-        todo = [r for r in rows if self.pend_count[r] > 0]
-        if not todo:
-            return
-        n = [self.pend_count[r] for r in todo]
-        A, dev = max(n), self.pend_ids.device
-        t = torch.tensor(todo, device=dev)
-        if len(todo) == 1:                                    # batch 1: views, no gathered copies
-            r = todo[0]
-            ids, feats, pos = self.pend_ids[r:r + 1, :A], self.pend_feats[r:r + 1, :A], self.pend_pos[r:r + 1, :A]
-        else:
-            ids, feats, pos = self.pend_ids[t, :A], self.pend_feats[t, :A], self.pend_pos[t, :A]
-        self._draft_extend(t, ids, feats, pos, torch.tensor(n, device=dev))
-        for r in todo:
-            self.pend_count[r] = 0
+    def forward(self, batch: StepBatch, tree: DraftTree) -> TargetOutput:
+        """One target forward over every row's tree with its ancestor mask (a captured CUDA graph where one fits)."""
+        with record_function("eagle3::verify_forward"):
+            out = self.graphs.forward(batch.index, tree.tokens, tree.positions, tree.mask) \
+                if self.graphs is not None else None
+            return out if out is not None else self.target(self.tpool, tree.tokens, tree.positions, rows=batch.index,
+                                                           tree_mask=tree.mask, want_aux=self.drafter is not None)
 
-    def _draft_extend(self, rows: torch.Tensor, input_ids, aux, positions, num_new) -> None:
-        """Draft forward over (feature t, token t+1) pairs; commit them; keep the last valid hidden/logits."""
-        B, T = input_ids.shape
-        self.dpool.check_room(rows, T)
-        if T <= PREFILL_T:
-            attend = pool_attend(self.dpool, rows, self.dpool.lens[rows], tree_new_mask(B, T, rows.device), self.scale)
-        else:
-            starts, counts = self.dpool.lens[rows].tolist(), num_new.tolist()
+    def verify(self, batch: StepBatch, tree: DraftTree, out: TargetOutput) -> VerifyOutput:
+        """Each row's accepted path (accept), its KV slots kept, its last token the row's next root; the log-probs of
+        the emitted tokens for rows that ask for them."""
+        with record_function("eagle3::accept"):
+            acc = accept(tree, out.logits, batch.params, batch.generators)
+            counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync
+        path = acc.path[:, :max(counts)]
+        with record_function("eagle3::kv_commit"):
+            self.tpool.commit(batch.index, path, acc.count)
+            last = torch.gather(acc.emitted, 1, (acc.count - 1).view(-1, 1)).view(-1)
+            self.roots[batch.index], self.root_pos[batch.index] = last, batch.root_pos + acc.count
+        logprobs = [None if p.logprobs is None else
+                    token_logprobs(out.logits[b, path[b, :n]], acc.emitted[b, :n], p.logprobs)  # emitted[j]: at path[j]
+                    for b, (p, n) in enumerate(zip(batch.params, counts))]
+        return VerifyOutput(tree, acc, path, counts, [e[:n] for e, n in zip(emitted, counts)], out.aux_hidden_states,
+                            logprobs)
 
-            def attend(q, k, v):
-                return prefill_attention(self.dpool, 0, rows, starts, counts, q, k, v, self.scale)
-        h = self.draft(input_ids, aux, positions, attend=attend, fuse=True)           # [B, T, H]
-        self.dpool.commit_prefix(rows, num_new)
-        # [B, H] pre-norm (B = 1: all T are new)
-        last = h[:, -1] if B == 1 else h[torch.arange(B, device=h.device), num_new - 1]
-        self.d_hidden[rows] = self.draft.next_hidden(last).to(self.d_hidden.dtype)
-        self.d_logits[rows] = self.draft.compute_logits(last).to(self.d_logits.dtype)
+    def commit(self, batch: StepBatch, verified: VerifyOutput, context_proposer: Optional[Proposer]) -> None:
+        """Each proposer's hook after the verify: the draft holds the accepted pairs for its next extend (steps that do
+        not draft included), the context learns from the chains it proposed."""
+        for proposer in (self.drafter, context_proposer):
+            if proposer is not None:
+                proposer.commit(batch, verified)
 
+    def record(self, batch: StepBatch, plan: StepPlan, verified: VerifyOutput, clock: StepClock) -> StepRecord:
+        """The finished step for its observers. The forward's seconds are its cost only where it ran synchronously."""
+        forward_s = clock.seconds("verify", "forward") if self.target.device.type == "cpu" else None
+        return StepRecord(batch.size, plan.tree.num_nodes, plan.drafted, batch.context, sum(verified.counts),
+                          clock.times(), forward_s)
+
+
+def accepted_from_context(plan: StepPlan, verified: VerifyOutput) -> list[list[bool]]:
+    """Per row, its accepted draft tokens in order: whether the context alone proposed each."""
+    if plan.from_context is None:
+        return [[] for _ in verified.counts]
+    on_path = torch.gather(plan.from_context, 1, verified.path)[:, 1:].tolist()
+    return [f[:n - 1] for f, n in zip(on_path, verified.counts)]
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[Optional[torch.Generator]]) -> torch.Tensor:

@@ -8,7 +8,8 @@ after the longest earlier match and, where earlier occurrences disagree on the n
 ones (from the same or shorter matches), each with its match length (what acceptance is calibrated by).
 
 `SuffixPool` holds the streams of recent requests (the server's: bounded tokens, least recently used out), so a
-request can also continue text another request wrote.
+request can also continue text another request wrote. `ContextDrafter` is the speculative worker's proposer of them
+(proposers.Proposer): calibrated chains as tree candidates, and the calibration learnt from each verify.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from sglang_eagle3.engine.proposers import StepBatch, VerifyOutput
+from sglang_eagle3.engine.tree import Candidates, chain_candidates
 
 
 @dataclass
@@ -217,6 +221,19 @@ class ContextDrafter:
             table = self.calibration[g]
             out.append([(p.tokens, table.chain_log_chances(p.match_len, len(p.tokens))) for p in found])
         return out
+
+    def propose(self, batch: StepBatch) -> Optional[Candidates]:
+        """The proposer interface (proposers.Proposer): the batch's chains as tree candidates (None: no row has one)."""
+        chains = self.proposals(batch.keys, batch.greedy)
+        return chain_candidates(chains, batch.index.device) if any(chains) else None
+
+    def commit(self, batch: StepBatch, verified: VerifyOutput) -> None:
+        """After the verify: learn from the chains proposed for it (none when this step did not look them up)."""
+        if verified.tree.num_nodes > 1 and any(self.last.get(key) for key in batch.keys):
+            self.observe(batch.keys, batch.greedy, verified.emitted, verified.tree.tokens.tolist(),
+                         verified.tree.parents.tolist())
+        for key in batch.keys:
+            self.last.pop(key, None)
 
     def observe(self, keys: list, greedy: list[bool], emitted: list[list[int]], tree_tokens: list[list[int]],
                 tree_parents: list[list[int]]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -115,13 +114,9 @@ class Candidates:
         """Real candidates per row (the rest is padding at -inf)."""
         return torch.isfinite(self.scores).sum(1).tolist()
 
-
-@torch.no_grad()
-def grow_tree(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens, root_positions,
-              spec: SpecConfig, prune: bool = True) -> DraftTree:
-    """Draft a tree of spec.num_draft_tokens nodes for each row (draft_candidates, then the best of them)."""
-    c = draft_candidates(draft, pool, rows, first_hidden, first_logits, root_tokens, root_positions, spec, prune)
-    return build_draft_tree(c.tokens, c.scores, c.parents, root_tokens, root_positions, spec.num_draft_tokens)
+    def context_nodes(self) -> int:
+        """The most real candidates a row has that the context alone proposed."""
+        return int(self.from_context.logical_and(torch.isfinite(self.scores)).sum(1).max())
 
 
 @torch.no_grad()
@@ -181,41 +176,61 @@ def draft_candidates(draft, pool: KVPool, rows: torch.Tensor, first_hidden, firs
                       torch.zeros_like(tokens, dtype=torch.bool))
 
 
-def add_proposals(cands: Optional[Candidates], proposals: list[list[tuple[list[int], list[float]]]],
-                  device) -> Candidates:
-    """Merge chains proposed by the context into the draft's candidates (or make candidates of them alone).
-
-    proposals[b]: row b's chains, each (tokens after the root, the cumulative log chance of each). A chain follows
-    the candidates that already hold its tokens (raising their scores to the chain's where it is higher: scores
-    still fall from parent to child, so any top-N set stays closed under ancestors) and adds the rest as new
-    candidates; siblings stay distinct. Rows are padded to one width with candidates at -inf."""
-    B = len(proposals)
-    if cands is None:
-        rows = [([], [], [], []) for _ in range(B)]
-    else:
-        rows = list(zip(cands.tokens.tolist(), cands.scores.tolist(), cands.parents.tolist(),
-                        cands.from_context.tolist()))
-    merged = []
-    for (tokens, scores, parents, context), chains in zip(rows, proposals):
-        tokens, scores, parents, context = list(tokens), list(scores), list(parents), list(context)
-        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if math.isfinite(scores[i])}
+def chain_candidates(proposals: list[list[tuple[list[int], list[float]]]], device) -> Candidates:
+    """Candidates of chains proposed by the context. proposals[b]: row b's chains, each (tokens after the root, the
+    cumulative log chance of each). Chains that share a start share its candidates (each at the higher of their
+    scores: scores still fall from parent to child); siblings stay distinct."""
+    rows = []
+    for chains in proposals:
+        tokens, scores, parents, child = [], [], [], {}
         for chain, chances in chains:
             at = -1
             for token, score in zip(chain, chances):
-                i = child.get((at, token))
-                if i is None:
-                    i = child[(at, token)] = len(tokens)
-                    tokens.append(token)
-                    scores.append(score)
-                    parents.append(at)
-                    context.append(True)
-                else:
-                    scores[i] = max(scores[i], score)
-                at = i
+                at = _add_child(tokens, scores, parents, child, at, token, score)
+        rows.append((tokens, scores, parents, [True] * len(tokens)))
+    return _padded(rows, device)
+
+
+def merge_candidates(base: Candidates, extra: Candidates) -> Candidates:
+    """base's candidates with extra's merged in (a hybrid step: the draft's and the context's). An extra node whose
+    path base already holds raises that candidate's score to its own where higher (any top-N set stays closed under
+    ancestors); the others follow base's, keeping extra's from_context flag; siblings stay distinct."""
+    merged = []
+    for (tokens, scores, parents, context), extra_row in zip(_lists(base), _lists(extra)):
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if math.isfinite(scores[i])}
+        at: dict[int, int] = {-1: -1}                                     # extra's index -> merged index
+        for j, (token, score, parent, flag) in enumerate(zip(*extra_row)):
+            if math.isfinite(score):                                      # (not padding)
+                at[j] = _add_child(tokens, scores, parents, child, at[parent], token, score)
+                if at[j] == len(context):                                 # a new candidate
+                    context.append(flag)
         merged.append((tokens, scores, parents, context))
-    width = max(1, max(len(m[0]) for m in merged))
+    return _padded(merged, base.tokens.device)
+
+
+def _add_child(tokens: list, scores: list, parents: list, child: dict, parent: int, token: int, score: float) -> int:
+    """The candidate for `token` under `parent`: the one already there (its score raised to `score` where lower), else
+    a new one. -> its index."""
+    i = child.get((parent, token))
+    if i is None:
+        i = child[(parent, token)] = len(tokens)
+        tokens.append(token)
+        scores.append(score)
+        parents.append(parent)
+    else:
+        scores[i] = max(scores[i], score)
+    return i
+
+
+def _lists(c: Candidates) -> list[tuple[list, list, list, list]]:
+    return list(zip(c.tokens.tolist(), c.scores.tolist(), c.parents.tolist(), c.from_context.tolist()))
+
+
+def _padded(rows: list[tuple[list, list, list, list]], device) -> Candidates:
+    """Per-row lists -> Candidates, rows padded to one width with candidates at -inf."""
+    width = max(1, max(len(r[0]) for r in rows))
     pad = [(t + [0] * (width - len(t)), s + [-math.inf] * (width - len(s)), p + [-1] * (width - len(p)),
-            c + [True] * (width - len(c))) for t, s, p, c in merged]
+            c + [True] * (width - len(c))) for t, s, p, c in rows]
     return Candidates(torch.tensor([r[0] for r in pad], dtype=torch.long, device=device),
                       torch.tensor([r[1] for r in pad], dtype=torch.float32, device=device),
                       torch.tensor([r[2] for r in pad], dtype=torch.long, device=device),

@@ -127,9 +127,8 @@ def sample_categorical(probs: torch.Tensor, generator: Optional[torch.Generator]
 
 def sample_rows(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """One draw per row of probs [n, V] (>= 0, any positive total), row i with generators[i]: the inverse CDF at one
-    uniform number per row. torch.multinomial draws V exponentials per row on CPU (~0.9 ms at V = 49,152, as long as
-    the 135M target's whole batch-64 decode step takes per row); this is one cumulative sum. A token of probability
-    0 is never drawn."""
+    uniform number per row, one cumulative sum (torch.multinomial draws V exponentials per row on CPU). A token of
+    probability 0 is never drawn."""
     cdf = probs.double().cumsum(-1)                                                   # [n, V]
     u = torch.stack([torch.rand((), generator=g, device=probs.device, dtype=torch.float64) for g in generators])
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)

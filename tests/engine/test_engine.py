@@ -168,7 +168,8 @@ def test_draft_for_another_target_is_refused():
 def test_steps_without_speculation_keep_the_draft_in_sync():
     """A row decoded without speculation (profile: no tree at this batch size) holds its draft pairs back and
     runs them later: its draft KV and state end up what speculating all along gives, and outputs stay lossless."""
-    from sglang_eagle3.engine.spec_worker import PENDING_MAX, SpecWorker
+    from sglang_eagle3.engine.proposers import PENDING_MAX
+    from sglang_eagle3.engine.spec_worker import SpecWorker
     tm, _ = tiny_target("llama", logit_scale=4.0)
     draft = random_draft(tm, draft_vocab_size=48)
     draft.set_embedding(tm.embed_tokens)
@@ -183,7 +184,7 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
             res = w.step([0, 1], greedy, [None, None], spec if use_spec else None)
             for o, e in zip(out, res.emitted):
                 o += e
-        w._catch_up([0, 1])
+        w.drafter.catch_up([0, 1])
         return w, out
 
     always, out_a = run([True] * 100)
@@ -191,10 +192,11 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
     n = min(min(len(o) for o in out_a), min(len(o) for o in out_m))
     assert n > 40 and all(a[:n] == m[:n] for a, m in zip(out_a, out_m))          # lossless either way
     for r in range(2):
-        k = int(min(always.dpool.lens[r], mixed.dpool.lens[r]))
+        k = int(min(always.drafter.dpool.lens[r], mixed.drafter.dpool.lens[r]))
         assert k > PENDING_MAX
-        torch.testing.assert_close(mixed.dpool.k[0, r, :, :k], always.dpool.k[0, r, :, :k], rtol=1e-5, atol=1e-5)
-    assert sum(mixed.pend_count) == 0 and torch.equal(mixed.dpool.lens, mixed.tpool.lens)
+        torch.testing.assert_close(mixed.drafter.dpool.k[0, r, :, :k], always.drafter.dpool.k[0, r, :, :k], rtol=1e-5,
+                                   atol=1e-5)
+    assert sum(mixed.drafter.pend_count) == 0 and torch.equal(mixed.drafter.dpool.lens, mixed.tpool.lens)
 
 
 def test_incremental_detokenizer_matches_full_decode(smollm2_path):

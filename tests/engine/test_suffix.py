@@ -1,7 +1,8 @@
-"""Drafts from the context (engine/suffix.py), hybrid trees (engine/tree.py add_proposals) and the per-step tree
+"""Drafts from the context (engine/suffix.py), hybrid trees (engine/tree.py merge_candidates) and the per-step tree
 size (engine/cost_model.py): against brute force, and lossless in the engine."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -13,7 +14,7 @@ from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_tree_
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.speculation import Drafting, SpecConfig
 from sglang_eagle3.engine.suffix import ContextDrafter, MatchCalibration, SuffixIndex, SuffixPool
-from sglang_eagle3.engine.tree import Candidates, add_proposals, tree_of
+from sglang_eagle3.engine.tree import Candidates, chain_candidates, merge_candidates, tree_of
 from sglang_eagle3.engine.verify import SamplingParams
 
 
@@ -137,7 +138,7 @@ def test_proposals_merge_into_the_drafts_candidates():
     c = Candidates(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[-0.5, -1.0, -1.2, -3.0]]),
                    torch.tensor([[-1, -1, 0, 0]]), torch.zeros(1, 4, dtype=torch.bool))
     chain = ([10, 13, 20], [math.log(0.9), math.log(0.8), math.log(0.7)])
-    m = add_proposals(c, [[chain]], "cpu")
+    m = merge_candidates(c, chain_candidates([[chain]], "cpu"))
     assert m.tokens.tolist() == [[10, 11, 12, 13, 20]] and m.parents.tolist() == [[-1, -1, 0, 0, 3]]
     assert m.scores[0, 0] == pytest.approx(math.log(0.9)) and m.scores[0, 3] == pytest.approx(math.log(0.8))  # raised
     assert m.from_context.tolist() == [[False, False, False, False, True]]
@@ -163,7 +164,7 @@ def test_merged_candidates_keep_trees_closed_under_ancestors_and_siblings_distin
             n = rng.randint(1, 5)
             chains.append(([rng.randrange(8) for _ in range(n)], [math.log(0.9 ** (j + 1)) for j in range(n)]))
         props.append(chains)
-    m = add_proposals(cands, props, "cpu")
+    m = merge_candidates(cands, chain_candidates(props, "cpu"))
     for size in range(1, min(m.finite()) + 2):
         tree, _ = tree_of(m, torch.tensor([0, 0]), torch.tensor([3, 4]), size)
         for b in range(B):
@@ -173,6 +174,56 @@ def test_merged_candidates_keep_trees_closed_under_ancestors_and_siblings_distin
             for i in range(1, len(par)):
                 kids.setdefault(par[i], []).append(tok[i])
             assert all(len(v) == len(set(v)) for v in kids.values())
+
+
+def walk_chains(cands: Candidates, proposals) -> list[tuple]:
+    """Reference for a hybrid step's candidates: each chain walked into the draft's candidates token by token (follow
+    the candidate holding the token, raising its score to the chain's where higher, else add one)."""
+    out = []
+    for (tokens, scores, parents, context), chains in zip(zip(cands.tokens.tolist(), cands.scores.tolist(),
+                                                              cands.parents.tolist(), cands.from_context.tolist()),
+                                                          proposals):
+        for chain, chances in chains:
+            at = -1
+            for token, score in zip(chain, chances):
+                i = next((i for i in range(len(tokens)) if (parents[i], tokens[i]) == (at, token)), None)
+                if i is None:
+                    tokens, scores, parents, context = tokens + [token], scores + [score], parents + [at], context + [True]
+                    i = len(tokens) - 1
+                else:
+                    scores[i] = max(scores[i], torch.tensor(score).item())
+                at = i
+        out.append((tokens, torch.tensor(scores).tolist(), parents, context))
+    return out
+
+
+def chain_of(rng: random.Random, n: int) -> tuple[list[int], list[float]]:
+    """A chain of n tokens (from a small alphabet: chains share starts) with falling cumulative log chances."""
+    logs = list(itertools.accumulate(math.log(rng.uniform(0.1, 0.99)) for _ in range(n)))
+    return [rng.randrange(6) for _ in range(n)], logs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merging_the_contexts_candidates_equals_walking_its_chains_into_the_drafts(seed):
+    """merge_candidates(draft, chain_candidates(chains)), what a hybrid step proposes, holds exactly the candidates,
+    scores, parents and flags of walking every chain into the draft's candidates, in that order (chains sharing a
+    start, and chains through the draft's nodes, included)."""
+    rng = random.Random(seed)
+    B, k = 2, 3
+    rows = []
+    for _ in range(B):                                  # k children of the root, k of its first child: distinct
+        scores = sorted((-2 * rng.random() for _ in range(k)), reverse=True)
+        rows.append((rng.sample(range(6), k) + rng.sample(range(6), k), scores + [scores[0] - rng.random()] * k,
+                     [-1] * k + [0] * k))
+    draft = Candidates(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                       torch.tensor([r[2] for r in rows]), torch.zeros(B, 2 * k, dtype=torch.bool))
+    props = [[chain_of(rng, rng.randint(1, 4)) for _ in range(rng.randint(0, 3))] for _ in range(B)]
+    m = merge_candidates(draft, chain_candidates(props, "cpu"))
+    for b, (tokens, scores, parents, context) in enumerate(walk_chains(draft, props)):
+        n = len(tokens)
+        assert m.tokens[b, :n].tolist() == tokens and m.parents[b, :n].tolist() == parents
+        assert m.scores[b, :n].tolist() == scores and m.from_context[b, :n].tolist() == context
+        assert bool(torch.isinf(m.scores[b, n:]).all())                         # the rest: padding
 
 
 # ---- the per-step size ---------------------------------------------------------------------------------------

@@ -5,8 +5,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_eagle3.engine.speculation import SpecConfig
-from sglang_eagle3.engine.tree import build_draft_tree, grow_tree
+from sglang_eagle3.engine.tree import build_draft_tree, draft_candidates
 from sglang_eagle3.models.kvcache import KVPool
+
+
+def drafted_tree(draft, pool, rows, first_hidden, root_tokens, root_positions, spec, prune=True):
+    """The engine's path for a draft-only step of the fixed tree: the draft's candidates (DraftProposer.propose),
+    then the best spec.num_draft_tokens - 1 of them (SpecWorker.plan)."""
+    c = draft_candidates(draft, pool, rows, first_hidden, draft.compute_logits(first_hidden), root_tokens,
+                         root_positions, spec, prune)
+    return build_draft_tree(c.tokens, c.scores, c.parents, root_tokens, root_positions, spec.num_draft_tokens)
 
 
 def check_tree(tree, root_positions, budget):
@@ -71,7 +79,7 @@ def test_selected_tree_properties(cands, root_pos):
 
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(2, 24), st.integers(1, 3))
-def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
+def test_drafted_tree_with_a_draft(num_steps, topk, budget, B):
     budget = min(budget, 1 + topk + (num_steps - 1) * topk * topk)
     spec = SpecConfig(num_steps, topk, budget)
     tm, _ = tiny_target("llama")
@@ -80,8 +88,7 @@ def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
     cache = KVPool(1, B, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
     cache.lens[:] = torch.arange(B) + 5
     hidden = torch.randn(B, draft.config.hidden_size)
-    tree = grow_tree(draft, cache, torch.arange(B), hidden, draft.compute_logits(hidden), torch.arange(B),
-                     cache.lens.clone(), spec)
+    tree = drafted_tree(draft, cache, torch.arange(B), hidden, torch.arange(B), cache.lens.clone(), spec)
     check_tree(tree, cache.lens, spec.num_draft_tokens)
     assert int(tree.depth.max()) <= num_steps
     assert bool(draft.t2d[tree.tokens[:, 1:]].all())         # drafted tokens come from the draft vocab
@@ -97,7 +104,7 @@ def test_grow_tree_with_a_draft(num_steps, topk, budget, B):
 @given(st.integers(2, 5), st.integers(1, 4), st.integers(2, 12), st.integers(1, 3), st.floats(0.0, 4.0),
        st.integers(0, 99))
 def test_skipped_levels_leave_the_tree_unchanged(num_steps, topk, budget, B, sharpness, seed):
-    """grow_tree skips a level's draft forward once no node below the frontier can enter the tree: the tree
+    """Drafting skips a level's draft forward once no node below the frontier can enter the tree: the tree
     (tokens, parents, mask, positions) is exactly the one every level's forward gives."""
     budget = min(budget, 1 + topk + (num_steps - 1) * topk * topk)
     spec = SpecConfig(num_steps, topk, budget)
@@ -116,8 +123,8 @@ def test_skipped_levels_leave_the_tree_unchanged(num_steps, topk, budget, B, sha
         forward = draft.forward
         draft.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
         try:
-            trees.append(grow_tree(draft, cache, torch.arange(B), hidden, draft.compute_logits(hidden),
-                                   torch.arange(B), cache.lens.clone(), spec, prune=prune))
+            trees.append(drafted_tree(draft, cache, torch.arange(B), hidden, torch.arange(B), cache.lens.clone(), spec,
+                                      prune=prune))
         finally:
             del draft.forward
         forwards.append(len(calls))
@@ -157,7 +164,7 @@ def test_topk1_is_a_chain_of_num_steps_plus_one():
     cache = KVPool(1, 1, draft.config.num_key_value_heads, 64, draft.config.head_dim, torch.float32, "cpu")
     cache.lens[:] = 3
     h = torch.randn(1, draft.config.hidden_size)
-    tree = grow_tree(draft, cache, torch.arange(1), h, draft.compute_logits(h), torch.tensor([1]), torch.tensor([3]), spec)
+    tree = drafted_tree(draft, cache, torch.arange(1), h, torch.tensor([1]), torch.tensor([3]), spec)
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
     assert tree.positions[0].tolist() == [3, 4, 5, 6, 7, 8]
 
@@ -201,8 +208,7 @@ def test_fused_draft_layer_equals_the_layer_by_layer_path(monkeypatch):
         attend = pool_attend(cache, rows, cache.lens.clone(), tree_new_mask(B, T, "cpu", mask).contiguous(),
                              draft.config.head_dim ** -0.5)
         out = draft(ids, hidden, positions, attend=attend, fuse=False)
-        tree = grow_tree(draft, cache, rows, first, draft.compute_logits(first), ids[:, 0], cache.lens.clone(),
-                         SpecConfig(3, 2, 6))
+        tree = drafted_tree(draft, cache, rows, first, ids[:, 0], cache.lens.clone(), SpecConfig(3, 2, 6))
         results.append((out, cache.k.clone(), cache.v.clone(), tree.tokens, tree.parents))
     for i, (got, want) in enumerate(zip(*results)):
         assert torch.equal(got, want), (i, (got.float() - want.float()).abs().max())

@@ -1,0 +1,172 @@
+"""What proposes a step's tree nodes, behind one interface: `propose` the candidates of a batch's rows, `commit` after
+the verify (what the proposer keeps or learns from it). The draft model is `DraftProposer`; the context's proposer is
+suffix.ContextDrafter; a hybrid step merges the two (tree.merge_candidates).
+
+DraftProposer holds the draft's state per pool row (its KV pool, its last hidden state and logits) and its lazy
+draft-extend: the (target feature, next token) pairs of each verified step are held per row and run through the
+draft just before that row's next candidates are drafted, so steps without speculation (the profile turns it off at
+large batch sizes) cost the draft nothing until it is needed again, or until PENDING_MAX pairs have piled up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+from torch.profiler import record_function
+
+from sglang_eagle3.engine.speculation import SpecConfig
+from sglang_eagle3.engine.tree import Candidates, DraftTree, draft_candidates, pool_attend
+from sglang_eagle3.engine.verify import Acceptance, SamplingParams, TokenLogprob
+from sglang_eagle3.models.kvcache import KVPool, prefill_attention, tree_new_mask
+from sglang_eagle3.models.target import PREFILL_T
+
+PENDING_MAX = 64      # draft-extend pairs a row may hold back (steps without speculation)
+
+
+@dataclass
+class StepBatch:
+    """The rows one step decodes and what its phases read of them."""
+    rows: list[int]                                   # pool rows
+    params: list[SamplingParams]
+    generators: list[Optional[torch.Generator]]
+    spec: Optional[SpecConfig]                        # the draft's tree this step (None: the draft does not run)
+    keys: Sequence                                    # the rows' request ids (the context's streams)
+    context: int                                      # the longest row's tokens (what a verify's attention reads)
+    index: torch.Tensor                               # [B] the rows on the device
+    roots: torch.Tensor                               # [B] last verified token per row
+    root_pos: torch.Tensor                            # [B] its position
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def greedy(self) -> list[bool]:
+        return [p.greedy for p in self.params]
+
+
+@dataclass
+class VerifyOutput:
+    """What a verify hands the commit: each row's accepted path through the verified tree."""
+    tree: DraftTree
+    acceptance: Acceptance                            # path, count, emitted [B, N] on the device
+    path: torch.Tensor                                # [B, A] accepted nodes, root first (A: the longest path)
+    counts: list[int]                                 # accepted nodes per row, the root included = tokens emitted
+    emitted: list[list[int]]                          # the tokens per row: accepted draft tokens, then the bonus
+    aux_hidden_states: Optional[torch.Tensor]         # [B, N, F] the target's features at the tree's nodes
+    logprobs: list[Optional[list[TokenLogprob]]]      # per row, for rows that ask for them
+
+
+class Proposer(Protocol):
+    def propose(self, batch: StepBatch) -> Optional[Candidates]:
+        """Candidates for each row of the batch (None: nothing to propose)."""
+
+    def commit(self, batch: StepBatch, verified: VerifyOutput) -> None:
+        """After the verify: keep or learn what it accepted."""
+
+
+class DraftProposer:
+    """The EAGLE-3 draft: its candidates from its state at each row's root, and its pairs held until they are
+    needed. State in fixed-size tensors indexed by pool row."""
+
+    def __init__(self, draft, target, num_rows: int, max_len: int, tree_slots: int):
+        c, dev, dtype = draft.config, target.device, target.dtype
+        self.draft = draft
+        self.dpool = KVPool(1, num_rows, c.num_key_value_heads, max_len + tree_slots + 2, c.head_dim, dtype, dev)
+        self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
+        self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
+        self.scale = c.head_dim ** -0.5
+        # (target feature t, token t+1, position t) pairs not yet run through the draft, per row
+        n_feat = len(target.aux_layer_ids) * target.hidden_size
+        self.pend_feats = torch.zeros(num_rows, PENDING_MAX, n_feat, dtype=dtype, device=dev)
+        self.pend_ids = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
+        self.pend_pos = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
+        self.pend_count = [0] * num_rows     # pairs held per row, on the host (the step syncs its counts anyway)
+
+    def nbytes(self) -> int:
+        return self.dpool.nbytes()
+
+    def start(self, row: int, input_ids, aux, positions) -> None:
+        """A prompt's pairs (feature t, token t+1) [1, T] into a fresh row: the draft's state at its first root."""
+        dev = self.pend_ids.device
+        rows = torch.tensor([row], device=dev)
+        self.dpool.reset(rows)
+        self.pend_count[row] = 0
+        self._extend(rows, input_ids, aux, positions, torch.tensor([input_ids.shape[1]], device=dev))
+
+    def propose(self, batch: StepBatch) -> Candidates:
+        """EAGLE-2's candidates for each row, from the draft's state after the row's held pairs."""
+        with record_function("eagle3::draft_extend"):
+            self.catch_up(batch.rows)
+        with record_function("eagle3::draft_tree"):
+            return draft_candidates(self.draft, self.dpool, batch.index, self.d_hidden[batch.index],
+                                    self.d_logits[batch.index], batch.roots, batch.root_pos, batch.spec)
+
+    def commit(self, batch: StepBatch, verified: VerifyOutput) -> None:
+        """Hold each row's accepted pairs for its next extend."""
+        with record_function("eagle3::draft_hold"):
+            self.hold(batch.rows, verified.acceptance.emitted, verified.aux_hidden_states, verified.tree.positions,
+                      verified.path, verified.counts)
+
+    def hold(self, rows: list[int], emitted, aux, tree_positions, path, counts: list[int]) -> None:
+        """Queue a step's pairs: per row b the accepted path[b, :counts[b]] of the verified tree, its target features
+        aux [B, N, F] and positions, with the emitted tokens [B, N] (the token after each). Rows that would overflow
+        catch up first."""
+        full = [r for r, c in zip(rows, counts) if self.pend_count[r] + c > PENDING_MAX]
+        if full:
+            self.catch_up(full)
+        if len(rows) == 1:                                    # batch 1: slices, no index tensors
+            r, s, c = rows[0], self.pend_count[rows[0]], counts[0]
+            nodes = path[0, :c]
+            self.pend_ids[r, s:s + c] = emitted[0, :c]
+            self.pend_pos[r, s:s + c] = tree_positions[0, nodes]
+            self.pend_feats[r, s:s + c] = aux[0, nodes].to(self.pend_feats.dtype)
+            self.pend_count[r] = s + c
+            return
+        dev = emitted.device
+        src_b = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=dev)
+        src_j = torch.tensor([j for c in counts for j in range(c)], device=dev)
+        row = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)], device=dev)
+        slot = torch.tensor([self.pend_count[r] + j for r, c in zip(rows, counts) for j in range(c)], device=dev)
+        nodes = path[src_b, src_j]
+        self.pend_ids[row, slot] = emitted[src_b, src_j]
+        self.pend_pos[row, slot] = tree_positions[src_b, nodes]
+        self.pend_feats[row, slot] = aux[src_b, nodes].to(self.pend_feats.dtype)
+        for r, c in zip(rows, counts):
+            self.pend_count[r] += c
+
+    def catch_up(self, rows: list[int]) -> None:
+        """Run the held pairs of these rows through the draft (one batched extend)."""
+        todo = [r for r in rows if self.pend_count[r] > 0]
+        if not todo:
+            return
+        n = [self.pend_count[r] for r in todo]
+        A, dev = max(n), self.pend_ids.device
+        t = torch.tensor(todo, device=dev)
+        if len(todo) == 1:                                    # batch 1: views, no gathered copies
+            r = todo[0]
+            ids, feats, pos = self.pend_ids[r:r + 1, :A], self.pend_feats[r:r + 1, :A], self.pend_pos[r:r + 1, :A]
+        else:
+            ids, feats, pos = self.pend_ids[t, :A], self.pend_feats[t, :A], self.pend_pos[t, :A]
+        self._extend(t, ids, feats, pos, torch.tensor(n, device=dev))
+        for r in todo:
+            self.pend_count[r] = 0
+
+    def _extend(self, rows: torch.Tensor, input_ids, aux, positions, num_new) -> None:
+        """Draft forward over (feature t, token t+1) pairs; commit them; keep the last valid hidden/logits."""
+        B, T = input_ids.shape
+        self.dpool.check_room(rows, T)
+        if T <= PREFILL_T:
+            attend = pool_attend(self.dpool, rows, self.dpool.lens[rows], tree_new_mask(B, T, rows.device), self.scale)
+        else:
+            starts, counts = self.dpool.lens[rows].tolist(), num_new.tolist()
+
+            def attend(q, k, v):
+                return prefill_attention(self.dpool, 0, rows, starts, counts, q, k, v, self.scale)
+        h = self.draft(input_ids, aux, positions, attend=attend, fuse=True)           # [B, T, H]
+        self.dpool.commit_prefix(rows, num_new)
+        # [B, H] pre-norm (B = 1: all T are new)
+        last = h[:, -1] if B == 1 else h[torch.arange(B, device=h.device), num_new - 1]
+        self.d_hidden[rows] = self.draft.next_hidden(last).to(self.d_hidden.dtype)
+        self.d_logits[rows] = self.draft.compute_logits(last).to(self.d_logits.dtype)
