@@ -256,6 +256,7 @@ def test_which_sampled_children_a_tree_keeps(keep, exact):
                                               p.expand(len(kept) + 1, V), q.expand(len(kept) + 1, V), g)
         counts[kept[accepted[1] - 1] if len(accepted) > 1 else bonus] += 1
     pvalue = chi2_pvalue(counts, p.float())
+    print(f"keep={keep}: chi-square p={pvalue:.3g}")
     assert (pvalue > 1e-3) == exact, pvalue
 
 
@@ -336,10 +337,11 @@ def test_sampled_children_accept_more_than_top_k_deterministic_ones(draft):
     rows = []
     for k in (1, 2, 4):
         top_k = float(p[q.topk(k).indices].sum())
-        per_draw = torch.tensor([sum(child_chances(p, sampled_children(q, [], k, g), [True] * k, q)[0])
-                                 for _ in range(400)], dtype=torch.float64)
+        drawn, _ = gumbel_top_k(q.log().expand(400, -1), k, g)                 # [400, k] draws of k children
+        per_draw = torch.tensor([sum(child_chances(p, row, [True] * k, q)[0]) for row in drawn.tolist()],
+                                dtype=torch.float64)
         sampled, se = float(per_draw.mean()), float(per_draw.std() / 20)
-        estimate = float(acceptance_chances(p, q, [], k, draws=1024, generator=g).sum())
+        estimate = float(acceptance_chances(p, q, [], k, draws=512, generator=g).sum())
         rows.append((k, top_k, sampled, se, estimate))
     report = (f"H(p)={entropy(p):.2f} H(q)={entropy(q):.2f}: " +
               "; ".join(f"k={k} top-k {d:.3f} sampled {s:.3f}±{e:.3f} (estimate {x:.3f})" for k, d, s, e, x in rows))

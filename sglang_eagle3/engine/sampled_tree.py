@@ -37,8 +37,8 @@ def gumbel_top_k(log_q: torch.Tensor, k: int,
     tokens have a finite log_q, the missing draws are token -1 with key -inf."""
     if not 0 < k <= log_q.shape[-1]:
         raise ValueError(f"k must be in [1, {log_q.shape[-1]}], got {k}")
-    u = torch.rand(log_q.shape, generator=generator, dtype=torch.float64, device=log_q.device)
-    gumbel = -torch.log(-torch.log(u.clamp_(min=torch.finfo(torch.float64).tiny)))
+    e = torch.empty(log_q.shape, dtype=torch.float64, device=log_q.device).exponential_(generator=generator)
+    gumbel = -e.clamp_(min=torch.finfo(torch.float64).tiny).log_()             # -log Exp(1) is Gumbel(0, 1)
     keys, tokens = (log_q.double() + gumbel).topk(k, dim=-1)                    # [..., k] largest first
     return tokens.masked_fill(keys == float("-inf"), -1), keys
 
