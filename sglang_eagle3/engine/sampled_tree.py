@@ -1,0 +1,186 @@
+"""Sampled draft trees verified exactly: recursive rejection sampling without replacement (Jeon et al. 2024).
+
+Drafting: at temperature > 0 a node's draft children are samples of the draft's distribution q (target_probs of the
+draft's logits, so the same temperature, top-k and top-p as the target's p) drawn without replacement by the
+Gumbel-top-k trick: the k largest of log q + Gumbel noise are distributed as k sequential draws without replacement.
+
+Verification at a node with target p: p_1 = p, q_1 = q. Child x_i is accepted with chance min(1, p_i(x_i) / q_i(x_i));
+on rejection p_{i+1} = norm(max(0, p_i - q_i)) and q_{i+1} = q_i without x_i, renormalised (the law of the next draw
+without replacement). If every child is rejected, the bonus token is drawn from the last p_i. An accepted child
+continues the walk with its own p and q. Exact: given the children tried before it, x_i follows q_i, so step i emits
+y with chance min(p_i, q_i)(y) + (1 - sum min(p_i, q_i)) p_{i+1}(y) = p_i(y) (p_{i+1} does not depend on x_i); by
+induction back from the bonus draw the node emits p_1 = p.
+
+Context proposals are deterministic children: q_i is a point mass on x, so the same rule accepts x with chance p_i(x)
+and leaves p_i with x zeroed and renormalised (verify.py's rule). A node tries its deterministic children first, then
+its sampled ones, which were drawn from q without the deterministic siblings (`sampled_children`); any q gives an
+exact walk as long as the children were drawn from it.
+
+A tree may keep only the first j of a node's sampled children (in draw order), with j chosen without looking at
+the tokens drawn there or anything drawn below them: from the ranks, the Gumbel keys (given the earlier draws, the
+next key says nothing about the next token) or other nodes' draws. Keeping, say, the children of highest q (EAGLE-2's
+score) favours tokens the draft likes, and the output is no longer p.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from sglang_eagle3.engine.verify import sample_categorical
+
+
+def gumbel_top_k(log_q: torch.Tensor, k: int,
+                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws without replacement from softmax(log_q) ([..., V], unnormalised log-probs; -inf = never drawn):
+    tokens [..., k] in draw order and their keys [..., k] (log_q + Gumbel noise, descending). Where fewer than k
+    tokens have a finite log_q, the missing draws are token -1 with key -inf."""
+    if not 0 < k <= log_q.shape[-1]:
+        raise ValueError(f"k must be in [1, {log_q.shape[-1]}], got {k}")
+    e = torch.empty(log_q.shape, dtype=torch.float64, device=log_q.device).exponential_(generator=generator)
+    gumbel = -e.clamp_(min=torch.finfo(torch.float64).tiny).log_()             # -log Exp(1) is Gumbel(0, 1)
+    keys, tokens = (log_q.double() + gumbel).topk(k, dim=-1)                    # [..., k] largest first
+    return tokens.masked_fill(keys == float("-inf"), -1), keys
+
+
+def sampled_children(q: torch.Tensor, deterministic: Sequence[int], k: int,
+                     generator: Optional[torch.Generator] = None) -> list[int]:
+    """A node's sampled children: up to k draws without replacement from q [V] without the node's deterministic
+    children (the q that `child_chances` verifies them against), in draw order."""
+    log_q = q.double().log()
+    if len(deterministic):
+        log_q[list(deterministic)] = float("-inf")
+    tokens, _ = gumbel_top_k(log_q, min(k, q.shape[-1]), generator)
+    return [t for t in tokens.tolist() if t >= 0]
+
+
+def _normalised(x: torch.Tensor) -> torch.Tensor:
+    return x / x.sum()
+
+
+def _try_sampled(target: torch.Tensor, draft: torch.Tensor, token: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """A sampled child against p_i = target and q_i = draft ([V], float64, normalised): its chance of acceptance,
+    max(0, p_i - q_i) (p_{i+1} unnormalised) and q_{i+1} (q_i without the token)."""
+    if not draft[token] > 0:
+        raise ValueError(f"sampled child {token} has no chance under the draft's q")
+    accept = min(1.0, float(target[token] / draft[token]))
+    left = (target - draft).clamp_(min=0.0)
+    draft = draft.clone()
+    draft[token] = 0.0
+    return accept, left, _normalised(draft) if draft.sum() > 0 else draft
+
+
+def _try_deterministic(target: torch.Tensor, token: int) -> tuple[float, torch.Tensor]:
+    """A deterministic child (q_i a point mass on it): its chance p_i(token), and p_i without it (unnormalised)."""
+    left = target.clone()
+    left[token] = 0.0
+    return float(target[token]), left
+
+
+def child_chances(p: torch.Tensor, tokens: Sequence[int], sampled: Sequence[bool],
+                  q: Optional[torch.Tensor] = None) -> tuple[list[float], torch.Tensor]:
+    """Trying one node's children (tokens, deterministic ones first, then the sampled ones in draw order) against
+    the target's p [V] and the draft's q [V] (read when a child is sampled): chances[i] = the chance that child i
+    is the accepted one, and the residual [V] (float64, sums to 1) the bonus is drawn from when all are rejected
+    (chance 1 - sum(chances))."""
+    target = _normalised(p.double())
+    if any(sampled):
+        draft = q.double().clone()
+        draft[[t for t, s in zip(tokens, sampled) if not s]] = 0.0           # drawn without the deterministic ones
+        draft = _normalised(draft)
+    chances, reach, seen_sampled = [], 1.0, False
+    for token, is_sampled in zip(tokens, sampled):
+        if seen_sampled and not is_sampled:
+            raise ValueError("a node's deterministic children must come before its sampled ones")
+        seen_sampled = is_sampled
+        if is_sampled:
+            accept, left, draft = _try_sampled(target, draft, token)
+        else:
+            accept, left = _try_deterministic(target, token)
+        chances.append(reach * accept)
+        reach *= 1.0 - accept
+        if left.sum() > 0:                  # else p_i == q_i: the child was accepted for sure, p_i stays
+            target = _normalised(left)
+    return chances, target
+
+
+def accept_children(p: torch.Tensor, tokens: Sequence[int], sampled: Sequence[bool], q: Optional[torch.Tensor] = None,
+                    generator: Optional[torch.Generator] = None) -> tuple[Optional[int], torch.Tensor]:
+    """One node's verification: the index of the accepted child (None: all rejected) and the residual the bonus
+    is drawn from (see child_chances). One uniform number from the generator."""
+    chances, residual = child_chances(p, tokens, sampled, q)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    total = 0.0
+    for i, chance in enumerate(chances):
+        total += chance
+        if u < total:
+            return i, residual
+    return None, residual
+
+
+def _children_in_trial_order(parents: Sequence[int], sampled: Sequence[bool]) -> list[list[int]]:
+    """Each node's children: the deterministic ones, then the sampled ones, each group in node order."""
+    kids = [[] for _ in parents]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            kids[parent].append(i)
+    return [sorted(k, key=lambda i: bool(sampled[i])) for k in kids]
+
+
+def verify_sampled_tree(tokens: Sequence[int], parents: Sequence[int], sampled: Sequence[bool], target, draft,
+                        generator: Optional[torch.Generator] = None) -> tuple[list[int], int]:
+    """One sequence's walk (verify_sampling's contract for trees with sampled children). tokens, parents [N] as
+    there; sampled [N]: node i is a draft sample (else a deterministic proposal; the root's flag is unused); a
+    node's sampled children are in draw order. target[n]: p at node n; draft[n]: q at node n, read where n has
+    sampled children (tensors [N, V] or NodeProbs). Returns (accepted nodes from the root, bonus token): the
+    emitted tokens are those of accepted[1:], then the bonus."""
+    kids = _children_in_trial_order(parents, sampled)
+    node, accepted = 0, [0]
+    while True:
+        children = kids[node]
+        flags = [bool(sampled[c]) for c in children]
+        q = draft[node] if any(flags) else None
+        i, residual = accept_children(target[node], [tokens[c] for c in children], flags, q, generator)
+        if i is None:
+            return accepted, sample_categorical(residual, generator)
+        node = children[i]
+        accepted.append(node)
+
+
+def acceptance_chances(p: torch.Tensor, q: torch.Tensor, deterministic: Sequence[int], k: int, draws: int = 256,
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The chance that each child of a node is the accepted one, before its sampled children are drawn: [m + k'] for
+    its m deterministic children (first) and k' = min(k, tokens of q left) sampled ones, given p [V] and q [V].
+
+    Deterministic child x: p(x), exactly (the rule emits x with chance p(x), and only by accepting it). Sampled
+    child i: reach * E[(1 - b_1) ... (1 - b_{i-1}) b_i], with reach = 1 - p(deterministic) and b_j = sum min(p_j, q_j)
+    the chance to accept child j once the earlier ones were rejected (p_1, q_1: p and q without the deterministic
+    tokens, renormalised). Exact for i = 1: reach * sum min(p_1, q_1), the k = 1 rule. For i > 1 it is an unbiased
+    estimate over `draws` histories of rejected children: a rejected x_j follows max(0, q_j - p_j) / (1 - b_j)."""
+    p, q, det = p.double().clone(), q.double().clone(), list(deterministic)
+    p = _normalised(p)
+    fixed = p[det].clone()                                                       # [m]
+    reach = max(0.0, 1.0 - float(fixed.sum()))
+    p[det], q[det] = 0.0, 0.0
+    k = min(k, int((q > 0).sum()))
+    if k == 0 or reach == 0.0:
+        return torch.cat([fixed, torch.zeros(k, dtype=torch.float64)])
+    rows = torch.arange(draws)
+    target = _normalised(p).expand(draws, -1).clone()                            # [n, V] p_j per history
+    draft = _normalised(q).expand(draws, -1).clone()                             # [n, V] q_j per history
+    weight = torch.full((draws,), reach, dtype=torch.float64)                    # [n] chance to reach child j
+    chances = []
+    for j in range(k):
+        overlap = torch.minimum(target, draft).sum(-1)                           # [n] b_j
+        chances.append((weight * overlap).mean())
+        if j + 1 == k:
+            break
+        rejected = (draft - target).clamp(min=0.0)                               # [n, V] law of a rejected x_j
+        live = rejected.sum(-1, keepdim=True) > 0                                # (else b_j = 1: weight drops to 0)
+        x = torch.multinomial(torch.where(live, rejected, draft), 1, generator=generator).squeeze(-1)
+        weight = weight * (1.0 - overlap).clamp(min=0.0)
+        left = (target - draft).clamp(min=0.0)
+        target = torch.where(live, left / left.sum(-1, keepdim=True).clamp(min=1e-300), target)
+        draft[rows, x] = 0.0
+        draft = draft / draft.sum(-1, keepdim=True)
+    return torch.cat([fixed, torch.stack(chances)])
