@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglang_eagle3.engine.verify import sample_categorical
+from sglang_eagle3.engine.verify import children_of, sample_categorical
 
 
 def gumbel_top_k(log_q: torch.Tensor, k: int,
@@ -120,11 +120,7 @@ def accept_children(p: torch.Tensor, tokens: Sequence[int], sampled: Sequence[bo
 
 def _children_in_trial_order(parents: Sequence[int], sampled: Sequence[bool]) -> list[list[int]]:
     """Each node's children: the deterministic ones, then the sampled ones, each group in node order."""
-    kids = [[] for _ in parents]
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            kids[parent].append(i)
-    return [sorted(k, key=lambda i: bool(sampled[i])) for k in kids]
+    return [sorted(k, key=lambda i: bool(sampled[i])) for k in children_of(parents)]
 
 
 def verify_sampled_tree(tokens: Sequence[int], parents: Sequence[int], sampled: Sequence[bool], target, draft,

@@ -258,6 +258,7 @@ def accepted_from_context(plan: StepPlan, verified: VerifyOutput) -> list[list[b
     on_path = torch.gather(plan.from_context, 1, verified.path)[:, 1:].tolist()
     return [f[:n - 1] for f, n in zip(on_path, verified.counts)]
 
+
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """logits [B, V] -> one token per row, each row with its own sampling parameters and generator (rows that

@@ -165,7 +165,8 @@ def acceptance_from_lists(paths: list[list[int]], emitted: list[list[int]], devi
     return Acceptance(path, torch.tensor([len(p) for p in paths], device=device), tok)
 
 
-def _children(parents: list[int]) -> list[list[int]]:
+def children_of(parents) -> list[list[int]]:
+    """Each node's children, in node order (parents [N]: -1 at the root)."""
     kids = [[] for _ in parents]
     for i, p in enumerate(parents):
         if p >= 0:
@@ -175,7 +176,7 @@ def _children(parents: list[int]) -> list[list[int]]:
 
 def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
     """One sequence. Returns (accepted node indices starting with the root, bonus token)."""
-    kids = _children(parents)
+    kids = children_of(parents)
     node, accepted = 0, [0]
     while True:
         want = target_argmax[node]
@@ -189,7 +190,7 @@ def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int
 def verify_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
                     generator: Optional[torch.Generator] = None) -> tuple[list[int], int]:
     """One sequence. probs [N, V]: target distribution at each node. Returns (accepted nodes, bonus token)."""
-    kids = _children(parents)
+    kids = children_of(parents)
     node, accepted = 0, [0]
     while True:
         residual = probs[node].clone()
