@@ -2,7 +2,7 @@
 
 Two runtimes on the same weights: `eager` (plain PyTorch: F.linear, torch attention and norms; what
 `--compile off` runs) and `fused` (the default: on CPU oneDNN-prepacked bf16 linears and the C++ kernels of
-csrc/cpu_ops.cpp, built once at install; on CUDA the decode/verify forwards replayed as CUDA graphs). Parts:
+kernels/csrc/, built once at install; on CUDA the decode/verify forwards replayed as CUDA graphs). Parts:
   speed    batch 1, per prompt alternately: transformers `generate`, ours eager, ours fused (tokens/s);
            llama.cpp's own decode of the same model (llama-bench) when the pinned build is present.
   step     one decode step vs its memory floor (weight bytes / measured read bandwidth), and the cost of one

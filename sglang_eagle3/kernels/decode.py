@@ -8,8 +8,9 @@ The rest of the package calls these, never the extension itself. Where the exten
   prefill products. A row's result does not depend on how many rows come with it (lossless bf16 greedy needs it).
 - attention over the row-indexed KV pool with a tree mask (`tree_attention`, `qkv_attention` with the rotary
   embedding fused in), RMSNorm, residual add + RMSNorm, SiLU * up;
-- whole decoder layers in one call (`layer_step` for the target, `draft_layer` for the EAGLE-3 draft); their twins
-  are the same layers op by op in models/target.py and models/draft.py;
+- whole decoder layers in one call (`layer_step` for the target, `draft_layer` for the EAGLE-3 draft), each over
+  one layer's `layer_weights` built when the model is prepared; their twins are the same layers op by op in
+  models/target.py and models/draft.py;
 - the draft tree's bookkeeping (`topk_logprobs`, `build_tree`) and acceptance (`accept_greedy`, `accept_sampling`):
   at batch 1 these small tensor ops cost more than the draft's levels themselves.
 Training's kernels are in kernels/training.py.
@@ -261,28 +262,44 @@ def tree_attention_ref(q, k_new, v_new, k_cache, v_cache, rows, lens, write_star
 
 # ---- whole layers (their twins: the layers op by op in models/) ------------------------------------------------
 def fused_layers_available() -> bool:
-    """csrc's whole-layer kernels (layer_step, draft_layer) are built here."""
+    """csrc's whole-layer kernels (layer_step, draft_layer over a LayerWeights) are built here."""
     ext = load()
-    return ext is not None and hasattr(ext, "layer_step") and hasattr(ext, "draft_layer")
+    return ext is not None and all(hasattr(ext, name) for name in ("LayerWeights", "layer_step", "draft_layer"))
 
 
-def layer_step(x, delta, capture: bool, in_norm, post_norm, eps: float, w_qkv, n_qkv: int, b_qkv, w_o, b_o,
-               w_gate_up, n_gate_up: int, w_down, cos, sin, num_heads: int, num_kv_heads: int, k_cache, v_cache,
-               rows, lens, write_start, new_mask, scale: float) -> list:
-    """One target decoder layer of a decode / verify step (bf16, packed weights): x += delta, then attention and
-    MLP; returns [the layer's MLP output (the next delta), the residual stream x when capture]."""
-    return load().layer_step(x, delta, capture, in_norm, post_norm, eps, w_qkv, n_qkv, b_qkv, w_o, b_o, w_gate_up,
-                             n_gate_up, w_down, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens,
-                             write_start, new_mask, scale)
+def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, wqkv: PackedLinear,
+                  wo: PackedLinear, w_gate_up: PackedLinear, w_down: PackedLinear, num_heads: int,
+                  num_kv_heads: int, hidden_norm: Optional[torch.Tensor] = None):
+    """One decoder layer's weights as csrc's whole-layer kernels take them (a LayerWeights: the norms, eps, the
+    few-row copies of the fused linears, their fp32 biases and sizes), built once when a model is prepared; None
+    where those kernels cannot serve the layer (no extension, a linear without a few-row copy, norms not bf16): its
+    model then runs it op by op. hidden_norm: the EAGLE-3 draft's norm of the fed hidden state."""
+    linears, norms = (wqkv, wo, w_gate_up, w_down), (input_norm, post_norm, hidden_norm)
+    if any(lin.small is None for lin in linears) or any(n is not None and n.dtype != torch.bfloat16 for n in norms) \
+            or not fused_layers_available():          # last: a GPU model never loads the CPU extension
+        return None
+    return load().LayerWeights(input_norm=input_norm, post_norm=post_norm, eps=eps, wqkv=wqkv.small, wo=wo.small,
+                               w_gate_up=w_gate_up.small, w_down=w_down.small, qkv_features=wqkv.out_features,
+                               gate_up_features=w_gate_up.out_features, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, hidden_norm=hidden_norm, wqkv_bias=wqkv.bias32,
+                               wo_bias=wo.bias32)
 
 
-def draft_layer(embeds, hidden, embed_norm, hidden_norm, post_norm, eps: float, w_qkv, n_qkv: int, w_o, w_gate_up,
-                n_gate_up: int, w_down, cos, sin, num_heads: int, num_kv_heads: int, k_cache, v_cache, rows, lens,
-                write_start, new_mask, scale: float) -> torch.Tensor:
-    """The EAGLE-3 draft's decoder layer over its KV pool (bf16, packed weights) -> the pre-norm hidden [B, T, H]."""
-    return load().draft_layer(embeds, hidden, embed_norm, hidden_norm, post_norm, eps, w_qkv, n_qkv, w_o, w_gate_up,
-                              n_gate_up, w_down, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens,
-                              write_start, new_mask, scale)
+def layer_step(x, delta, capture: bool, weights, cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
+               scale: float) -> list:
+    """One target decoder layer of a decode / verify step (bf16; weights: its layer_weights): x += delta, then
+    attention and MLP over the KV pool (the arguments of qkv_attention); returns [the layer's MLP output (the next
+    delta), the residual stream x when capture]."""
+    return load().layer_step(x, delta, capture, weights, cos, sin, k_cache, v_cache, rows, lens, write_start,
+                             new_mask, scale)
+
+
+def draft_layer(embeds, hidden, weights, cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
+                scale: float) -> torch.Tensor:
+    """The EAGLE-3 draft's decoder layer over its KV pool (bf16; weights: its layer_weights, with hidden_norm)
+    -> the pre-norm hidden [B, T, H]."""
+    return load().draft_layer(embeds, hidden, weights, cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
+                              scale)
 
 
 # ---- draft tree and acceptance ---------------------------------------------------------------------------------

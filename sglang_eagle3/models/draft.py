@@ -144,6 +144,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Eagle3MLP(cfg)
+        self.layer_weights = None                                # inference: csrc's draft_layer takes these
 
     def forward(self, embeds, hidden, cos, sin, attend: AttendFn):
         fused = self._fused_layer(embeds, hidden, cos, sin, attend)
@@ -156,21 +157,17 @@ class Eagle3DecoderLayer(nn.Module):
 
     def _fused_layer(self, embeds, hidden, cos, sin, attend):
         """The same layer as one csrc call (draft_layer: the same kernels in the same order, bit-identical) when
-        inference runs over the draft's KV pool (attend.pool) in bf16 on a CPU with the few-row kernel; else None."""
+        inference runs over the draft's KV pool (attend.pool) in bf16 on a CPU with the few-row kernel
+        (layer_weights, built by prepare_inference); else None."""
         a, m = self.self_attn, self.mlp
         pool = getattr(attend, "pool", None)
-        if pool is None or a.fused is None or self.training or embeds.dtype != torch.bfloat16 or \
-                hidden.dtype != torch.bfloat16 or embeds.device.type != "cpu" or not self.input_layernorm.fast or \
-                self.input_layernorm.weight.dtype != torch.bfloat16 or \
+        if pool is None or self.layer_weights is None or self.training or embeds.dtype != torch.bfloat16 or \
+                hidden.dtype != torch.bfloat16 or embeds.device.type != "cpu" or \
                 embeds.shape[0] * embeds.shape[1] > min(lin.small_m for lin in (*a.fused, *m.fused)):
             return None
         if not kernels.fused_layers_available():
             return None
-        return kernels.draft_layer(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight,
-                                   self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                                   a.fused[0].small, a.fused[0].out_features, a.fused[1].small, m.fused[0].small,
-                                   m.fused[0].out_features, m.fused[1].small, cos.contiguous(), sin.contiguous(),
-                                   a.num_heads, a.num_kv_heads, *pool)
+        return kernels.draft_layer(embeds, hidden, self.layer_weights, cos.contiguous(), sin.contiguous(), *pool)
 
 
 class RotaryEmbedding(nn.Module):
@@ -280,6 +277,10 @@ class Eagle3DraftModel(nn.Module):
                    kernels.PackedLinear(a.o_proj.weight))
         m.fused = (kernels.PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
                    kernels.PackedLinear(m.down_proj.weight))
+        layer = self.midlayer
+        layer.layer_weights = kernels.layer_weights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps, *a.fused,
+            *m.fused, a.num_heads, a.num_kv_heads, hidden_norm=layer.hidden_norm.weight)
         self._fused_fc = kernels.PackedLinear(self.fc.weight)
         self._fused_lm_head = kernels.PackedLinear(self.lm_head.weight)
         for mod in self.modules():
@@ -289,7 +290,7 @@ class Eagle3DraftModel(nn.Module):
 
     def train(self, mode: bool = True):
         if mode:
-            self.midlayer.self_attn.fused = self.midlayer.mlp.fused = None
+            self.midlayer.self_attn.fused = self.midlayer.mlp.fused = self.midlayer.layer_weights = None
             self._fused_fc = self._fused_lm_head = None
             for mod in self.modules():
                 if isinstance(mod, RMSNorm):

@@ -39,9 +39,10 @@ def _eps(norm: nn.Module) -> float:
 
 
 class _Layer(nn.Module):
-    """One decoder layer's weights, re-packed: wqkv [(nH+2nKV)*D, H], w_gate_up [2I, H]."""
+    """One decoder layer's weights, re-packed: wqkv [(nH+2nKV)*D, H], w_gate_up [2I, H]; and all of them as csrc's
+    layer_step takes them (layer_weights, None: the layer runs op by op)."""
 
-    def __init__(self, hf_layer):
+    def __init__(self, hf_layer, num_heads: int, num_kv_heads: int):
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
         bias = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
@@ -53,6 +54,9 @@ class _Layer(nn.Module):
         self.input_norm, self.post_norm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
         self.eps = _eps(self.input_norm)
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)   # Qwen3
+        self.layer_weights = None if self.q_norm is not None else \
+            K.layer_weights(self.input_norm.weight, self.post_norm.weight, self.eps, self.wqkv, self.wo,
+                            self.w_gate_up, self.w_down, num_heads, num_kv_heads)
 
 
 class TargetModel(nn.Module):
@@ -77,7 +81,7 @@ class TargetModel(nn.Module):
         self.capture_at = {i + 1 for i in self.aux_layer_ids}   # layers whose *input* we keep
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
-        self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
+        self.layers = nn.ModuleList(_Layer(layer, self.num_heads, self.num_kv_heads) for layer in inner.layers)
         self.norm = inner.norm
         self.final_eps = _eps(inner.norm)
         self.rotary_emb = inner.rotary_emb
@@ -150,11 +154,8 @@ class TargetModel(nn.Module):
             step, scale = K.layer_step, self.head_dim ** -0.5
             for i, layer in enumerate(self.layers):
                 cap = want_aux and i in self.capture_at
-                out = step(x, delta, cap, layer.input_norm.weight, layer.post_norm.weight, layer.eps,
-                           layer.wqkv.small, layer.wqkv.out_features, layer.wqkv.bias32, layer.wo.small,
-                           layer.wo.bias32,
-                           layer.w_gate_up.small, layer.w_gate_up.out_features, layer.w_down.small, cos, sin,
-                           self.num_heads, self.num_kv_heads, cache.k[i], cache.v[i], rows, lens, lens, new_mask, scale)
+                out = step(x, delta, cap, layer.layer_weights, cos, sin, cache.k[i], cache.v[i], rows, lens, lens,
+                           new_mask, scale)
                 delta = out[0]
                 if cap:
                     captured[i] = out[1]
@@ -172,17 +173,16 @@ class TargetModel(nn.Module):
         return self._finish(x, delta, logit_index, captured, want_aux, step)
 
     def _fused_layers_apply(self, x: torch.Tensor, T: int, tree_mask) -> bool:
-        """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every linear packed for the
-        few-row kernel, no q/k norms, few tokens over the KV pool (not a prefill), at any batch size (the few-row
-        kernels serve every row count of a step, so a row's sums never depend on the batch)."""
+        """csrc's layer_step serves this forward: bf16 on a CPU with the extension, every layer's layer_weights
+        built (every linear packed for the few-row kernel, bf16 norms, no q/k norms), few tokens over the KV pool
+        (not a prefill), at any batch size (the few-row kernels serve every row count of a step, so a row's sums
+        never depend on the batch)."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not self._over_pool(T, tree_mask):
             return False
         ok = self._layer_step_ok.get(extension.mode())
         if ok is None:                                     # the weights never change: decide once per kernel mode
             ok = self._layer_step_ok[extension.mode()] = K.fused_layers_available() and \
-                all(lin.small is not None for layer in self.layers
-                    for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)) and \
-                all(layer.q_norm is None and layer.input_norm.weight.dtype == torch.bfloat16 for layer in self.layers)
+                all(layer.layer_weights is not None for layer in self.layers)
         return ok
 
     def _finish(self, x, delta, logit_index, captured: dict, want_aux: bool, step: bool) -> TargetOutput:

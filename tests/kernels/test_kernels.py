@@ -14,9 +14,9 @@ import pytest
 from sglang_eagle3.kernels import extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BOUND_OPS = {"pack_bf16", "linear_bf16", "few_row_isa", "few_row_kernels", "pack_amx", "amx_usable", "layer_step",
-             "draft_layer", "tree_attention", "qkv_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "topk_logprobs",
-             "build_tree", "accept_greedy", "accept_sampling", "soft_ce_forward", "soft_ce_backward",
+BOUND_OPS = {"pack_bf16", "linear_bf16", "few_row_isa", "few_row_kernels", "pack_amx", "amx_usable", "LayerWeights",
+             "layer_step", "draft_layer", "tree_attention", "qkv_attention", "rms_norm", "add_rms_norm", "silu_and_mul",
+             "topk_logprobs", "build_tree", "accept_greedy", "accept_sampling", "soft_ce_forward", "soft_ce_backward",
              "target_distribution"}
 
 

@@ -288,16 +288,17 @@ def test_amx_and_avx512_kernels_round_alike():
     assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7 + 1e-6).all()     # at most one bf16 ulp
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kernel", ["default", "avx512f"])
-def test_fused_layer_step_equals_the_step_by_step_path(kernel):
+def test_fused_layer_step_equals_the_step_by_step_path(kernel, family):
     """bf16 decode and tree-verify forwards through csrc's layer_step (one C++ call per layer) give exactly the
     logits, features and KV entries of the layer-by-layer path: the same kernels in the same order (the host's
-    few-row kernel, and the AVX-512F one)."""
+    few-row kernel, and the AVX-512F one; without biases, and with Qwen2's qkv biases)."""
     from sglang_eagle3.kernels import extension
     if kernel != "default":
         few_row_kernel_or_skip(kernel)
     with extension.using_few_row("auto" if kernel == "default" else kernel):
-        tm, _ = tiny_target("llama", dtype=torch.bfloat16)
+        tm, _ = tiny_target(family, dtype=torch.bfloat16)
     if not tm._fused_layers_apply(torch.zeros(1, 1, tm.hidden_size, dtype=torch.bfloat16), 1, None):
         pytest.skip("csrc's bf16 kernels are not available on this CPU")
     prompt, parents, tokens = [3, 1, 4, 1, 5, 9, 2], [-1, 0, 0, 1], [6, 20, 21, 30]
@@ -320,6 +321,42 @@ def test_fused_layer_step_equals_the_step_by_step_path(kernel):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         else:
             assert torch.equal(a, b)
+
+
+def test_layer_weights_are_the_layers_own_built_once(monkeypatch):
+    """Each layer's LayerWeights (what layer_step takes whole) is built with the model and holds the layer's own norms,
+    packed linears and fp32 biases (shared, not copied) and sizes; a forward builds none; one with norms of two sizes
+    is refused; a target built with the extension off has none (its layers run op by op)."""
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    tm, _ = tiny_target("qwen2", dtype=torch.bfloat16)
+    if tm.layers[0].layer_weights is None:
+        pytest.skip("csrc's bf16 kernels are not available on this CPU")
+    for layer in tm.layers:
+        w = layer.layer_weights
+        assert w.input_norm.data_ptr() == layer.input_norm.weight.data_ptr() and w.hidden_norm is None
+        assert w.post_norm.data_ptr() == layer.post_norm.weight.data_ptr()
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert getattr(w, name).data_ptr() == getattr(layer, name).small.data_ptr(), name
+        assert w.wqkv_bias.data_ptr() == layer.wqkv.bias32.data_ptr() and w.wo_bias is None    # Qwen2: qkv only
+        assert (w.eps, w.qkv_features, w.gate_up_features, w.num_heads, w.num_kv_heads) == \
+            (layer.eps, layer.wqkv.out_features, layer.w_gate_up.out_features, tm.num_heads, tm.num_kv_heads)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward built a LayerWeights")
+    with monkeypatch.context() as m:
+        m.setattr(extension.load(), "LayerWeights", refuse)
+        cache = tm.new_cache(1, 16)
+        assert tm._fused_layers_apply(torch.zeros(1, 1, tm.hidden_size, dtype=torch.bfloat16), 1, None)
+        tm(cache, torch.tensor([[3, 1, 4]]), torch.arange(3).view(1, 3))
+    layer = tm.layers[0]
+    with pytest.raises(RuntimeError, match="LayerWeights: the norms"):
+        K.layer_weights(layer.input_norm.weight, layer.post_norm.weight[1:], layer.eps, layer.wqkv, layer.wo,
+                        layer.w_gate_up, layer.w_down, tm.num_heads, tm.num_kv_heads)
+    with extension.using("off"):
+        off, _ = tiny_target("qwen2", dtype=torch.bfloat16)
+        assert all(layer.layer_weights is None for layer in off.layers)
+        assert not off._fused_layers_apply(torch.zeros(1, 1, off.hidden_size, dtype=torch.bfloat16), 1, None)
 
 
 @pytest.mark.parametrize("kernel", ["default", "avx512f"])

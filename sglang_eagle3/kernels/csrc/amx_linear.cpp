@@ -1,6 +1,6 @@
 // bf16 matrix products for few rows on CPUs with AMX (Intel's tile units): decode, tree verify and draft steps.
 //
-// Why: the AVX-512 BF16 dot-product kernel in cpu_ops.cpp reads each weight once per call and is limited by
+// Why: the AVX-512 BF16 dot-product kernel in linear.cpp reads each weight once per call and is limited by
 // memory at one row, but by its dot-product throughput from ~4 rows on (a verify of 8 tokens then costs 1.7x a
 // one-token step). A tile multiply (TDPBF16PS) does 16 x 16 x 32 products per instruction, so up to 16 rows
 // (and in passes, more) cost what one row costs: the weight stream.

@@ -14,8 +14,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_amx", &pack_amx, "pack a bf16 [N, K] weight for the AMX tile kernel (linear_bf16 dispatches on it)");
   m.def("amx_usable", &amx_usable, "built with AMX and the OS grants tile data");
   // decode: layers, attention, element-wise
-  m.def("layer_step", &layer_step, "one decoder layer of a decode/verify step (bf16, packed weights)");
-  m.def("draft_layer", &draft_layer, "the EAGLE-3 draft's decoder layer over its KV pool (bf16, packed weights)");
+  namespace py = pybind11;
+  py::class_<LayerWeights>(m, "LayerWeights", "one decoder layer's norms, packed weights, biases and sizes")
+      .def(py::init(&make_layer_weights), py::kw_only(), py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"),
+           py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("qkv_features"),
+           py::arg("gate_up_features"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("hidden_norm") = py::none(), py::arg("wqkv_bias") = py::none(), py::arg("wo_bias") = py::none())
+      .def_readonly("input_norm", &LayerWeights::input_norm)
+      .def_readonly("post_norm", &LayerWeights::post_norm)
+      .def_readonly("hidden_norm", &LayerWeights::hidden_norm)
+      .def_readonly("eps", &LayerWeights::eps)
+      .def_readonly("wqkv", &LayerWeights::wqkv)
+      .def_readonly("wo", &LayerWeights::wo)
+      .def_readonly("w_gate_up", &LayerWeights::w_gate_up)
+      .def_readonly("w_down", &LayerWeights::w_down)
+      .def_readonly("wqkv_bias", &LayerWeights::wqkv_bias)
+      .def_readonly("wo_bias", &LayerWeights::wo_bias)
+      .def_readonly("qkv_features", &LayerWeights::qkv_features)
+      .def_readonly("gate_up_features", &LayerWeights::gate_up_features)
+      .def_readonly("num_heads", &LayerWeights::num_heads)
+      .def_readonly("num_kv_heads", &LayerWeights::num_kv_heads);
+  m.def("layer_step", &layer_step, "one decoder layer of a decode/verify step (bf16, a LayerWeights)");
+  m.def("draft_layer", &draft_layer, "the EAGLE-3 draft's decoder layer over its KV pool (bf16, a LayerWeights)");
   m.def("tree_attention", &tree_attention, "attention over a row-indexed KV pool with a tree mask (writes k/v)");
   m.def("qkv_attention", &qkv_attention, "rotary embedding + tree_attention from the fused qkv projection");
   m.def("rms_norm", &rms_norm, "RMSNorm (transformers' rounding)");

@@ -1,7 +1,8 @@
 // Declarations shared by the extension's sources, which bindings.cpp binds for Python.
 // Decode: attention.cpp (tree attention over the KV pool), elementwise.cpp (norms, SiLU), linear.cpp and
-// linear_avx512f.cpp (few-row bf16 products), amx_linear.cpp (AMX tile products), layers.cpp (whole decoder layers), tree_ops.cpp (draft tree
-// selection, acceptance). Training: train_ops.cpp (TTT's soft cross-entropy, the target's distribution).
+// linear_avx512f.cpp (few-row bf16 products), amx_linear.cpp (AMX tile products), layers.cpp (whole decoder layers
+// over a LayerWeights), tree_ops.cpp (draft tree selection, acceptance). Training: train_ops.cpp (TTT's soft
+// cross-entropy, the target's distribution).
 #pragma once
 #include <torch/extension.h>
 
@@ -37,21 +38,31 @@ bool is_amx_packed(const at::Tensor& packed);
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
 
 // layers.cpp
+// One decoder layer's weights as layer_step (the target's layers) and draft_layer (the EAGLE-3 draft's) read them,
+// built once per layer when a model is prepared (kernels/decode.py layer_weights) and passed whole to every step.
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;           // [H] bf16 RMSNorm weights (the draft's input_norm: its embeddings')
+  c10::optional<at::Tensor> hidden_norm;      // [H] bf16: the draft's RMSNorm of the fed hidden state; none: target
+  double eps;                                 // the norms' epsilon
+  at::Tensor wqkv, wo, w_gate_up, w_down;     // packed for linear_bf16 (pack_bf16 / pack_amx)
+  c10::optional<at::Tensor> wqkv_bias, wo_bias;   // fp32 [N]; none: no bias
+  int64_t qkv_features, gate_up_features;     // out features of wqkv ((nH + 2 nKV) * D) and w_gate_up (2 I)
+  int64_t num_heads, num_kv_heads;
+};
+LayerWeights make_layer_weights(at::Tensor input_norm, at::Tensor post_norm, double eps, at::Tensor wqkv,
+                                at::Tensor wo, at::Tensor w_gate_up, at::Tensor w_down, int64_t qkv_features,
+                                int64_t gate_up_features, int64_t num_heads, int64_t num_kv_heads,
+                                c10::optional<at::Tensor> hidden_norm, c10::optional<at::Tensor> wqkv_bias,
+                                c10::optional<at::Tensor> wo_bias);
 std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>& delta, bool capture,
-                                   const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
-                                   const at::Tensor& w_qkv, int64_t n_qkv, const c10::optional<at::Tensor>& b_qkv,
-                                   const at::Tensor& w_o, const c10::optional<at::Tensor>& b_o,
-                                   const at::Tensor& w_gate_up, int64_t n_gate_up, const at::Tensor& w_down,
-                                   const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
+                                   const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                                    const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
                                    double scale);
-at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_norm,
-                       const at::Tensor& hidden_norm, const at::Tensor& post_norm, double eps,
-                       const at::Tensor& w_qkv, int64_t n_qkv, const at::Tensor& w_o, const at::Tensor& w_gate_up,
-                       int64_t n_gate_up, const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin,
-                       int64_t nH, int64_t nKV, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
-                       const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const LayerWeights& w,
+                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& write_start,
+                       const at::Tensor& new_mask, double scale);
 
 // tree_ops.cpp
 std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k);

@@ -65,7 +65,7 @@ inline __m512 exp16(__m512 x) {
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
-// The sum of a's 16 lanes in the order cpu_ops' hsum16 (the 16-keys-at-once transpose-add) sums each of its
+// The sum of a's 16 lanes in the order attention.cpp's hsum16 (the 16-keys-at-once transpose-add) sums each of its
 // inputs: ((s0 + s1) + (s2 + s3)), s_k = (a[4k] + a[4k+2]) + (a[4k+1] + a[4k+3]), so that a key scored alone
 // gets the score it gets in a block of 16, bit for bit.
 inline float hsum16_one(__m512 a) {
