@@ -53,9 +53,9 @@ def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int
     from sglang_eagle3.bench.acceptance import run_conversation
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
-    from sglang_eagle3.engine.settings import DTYPES
+    from sglang_eagle3.engine.settings import DTYPES, Settings
     from sglang_eagle3.engine.verify import SamplingParams
-    eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), spec)
+    eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), Settings(dtype, tree=spec))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     out = {}
     for name, convs in prompts.items():
