@@ -190,7 +190,7 @@ def average_row(sets: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args
+    from sglang_eagle3.engine.settings import add_compile_arg, add_dtype_arg, add_spec_args
     from sglang_eagle3.paths import data_dir
     p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--beside", default="idle", choices=LOADS,
                    help="run beside a busy process this benchmark starts and stops itself (bench/contention.py): "

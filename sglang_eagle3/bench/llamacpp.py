@@ -98,7 +98,7 @@ def chat_text(tokenizer, prompt: str) -> str:
 def build_parser():
     import argparse
 
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.engine.settings import add_dtype_arg
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the shipped one)")
@@ -108,7 +108,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--draft-lengths", default="1,2,3,4", help="llama.cpp --spec-draft-n-max values (our chain length)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(p)
     p.add_argument("--out", default="results/bench_llamacpp.json")
     return p
 

@@ -30,8 +30,6 @@ import sys
 from typing import Optional
 
 from sglang_eagle3.engine.settings import (
-    AUTO_DTYPE_HELP,
-    DTYPE_CHOICES,
     MAX_LEN_CAP,
     MAX_QUEUE,
     MAX_RUNNING,
@@ -39,6 +37,7 @@ from sglang_eagle3.engine.settings import (
     SGLANG_TREE,
     Settings,
     add_compile_arg,
+    add_dtype_arg,
     apply_compile_arg,
     is_embedded,
     settings_from_args,
@@ -76,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
     g = p.add_argument_group("builtin engine")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(g)
     g.add_argument("--max-queue", type=int, default=None,
                    help=f"waiting requests beyond which the server answers 503 (default {MAX_QUEUE})")
     add_compile_arg(g)
