@@ -322,6 +322,7 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
     from sglang_eagle3.engine.profile import SpecProfile
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.models.config import ConfigError
@@ -343,7 +344,7 @@ def test_sampled_requests_use_the_profiles_sampled_table(folders, capsys, tmp_pa
     t = run_json(capsys, *common)["tree"]
     assert (t["num_steps"], t["topk"], t["num_draft_tokens"]) == (3, 2, 6)
     tm = TargetModel.from_pretrained(target)
-    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), SpecConfig(3, 2, 6), prof)
+    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), Settings(tree=SpecConfig(3, 2, 6), profile=prof))
     sched = eng.scheduler(4, 64)
     assert sched.spec_for(1) == SpecConfig(3, 2, 6) and sched.spec_for(1, sampled=True) == SpecConfig(1, 2, 3)
     seen = []
@@ -370,6 +371,7 @@ def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
     from sglang_eagle3.engine.profile import SpecProfile, host_kind
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.models.config import ConfigError
@@ -390,7 +392,7 @@ def test_long_contexts_use_the_profiles_long_context_table(folders, tmp_path):
     assert prof.for_batch_size(1, sampled=True, context=50) == SpecConfig(1, 2, 3)
     assert prof.measured_tree(1, context=10) == SpecConfig(1, 1, 2) and SpecConfig(1, 1, 2) in prof.trees()
     tm = TargetModel.from_pretrained(target)
-    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), SpecConfig(3, 2, 6), prof)
+    eng = SpeculativeEngine(tm, load_draft(str(tuned), torch.float32), Settings(tree=SpecConfig(3, 2, 6), profile=prof))
     sched = eng.scheduler(4, 64)
     seen = []
     step = sched.worker.step
@@ -643,7 +645,7 @@ def test_tree_auto_reports_the_most_a_step_verifies(folders, tmp_path, capsys, m
 
     from sglang_eagle3.engine import scheduler
     from sglang_eagle3.engine.cost_model import StepCosts
-    from sglang_eagle3.engine.loader import engine_from_settings
+    from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.settings import resolve_settings
     monkeypatch.setattr(scheduler, "load_or_measure_costs", lambda *a, **k: StepCosts({1: {1: 0.01, 16: 0.02}}, {}))
     target, draft, _ = folders
@@ -652,7 +654,7 @@ def test_tree_auto_reports_the_most_a_step_verifies(folders, tmp_path, capsys, m
                    "--tree", "auto", *[f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
     assert out["tree"]["num_draft_tokens"] == 4 and out["drafting"]["tree"] == "auto"
     settings = resolve_settings(draft, dtype="float32", tree="auto", **flags)
-    sched = engine_from_settings(target, settings).scheduler(1, 64)
+    sched = load_engine(target, settings).scheduler(1, 64)
     assert sched.spec_for(1).num_draft_tokens == 4 and sched.tree_slots == 4
     tuned = tmp_path / "tuned"
     shutil.copytree(draft, tuned)
@@ -661,7 +663,7 @@ def test_tree_auto_reports_the_most_a_step_verifies(folders, tmp_path, capsys, m
     out = run_json(capsys, "--target", target, "--draft", str(tuned), "--prompt", "w1 w2", "--max-new-tokens", "4",
                    "--tree", "auto")
     settings = resolve_settings(str(tuned), dtype="float32", tree="auto")
-    sched = engine_from_settings(target, settings).scheduler(1, 64)
+    sched = load_engine(target, settings).scheduler(1, 64)
     assert out["tree"]["num_draft_tokens"] == sched.spec_for(1).num_draft_tokens == 11     # 1 + 2 + 2 * 2 * 2
 
 

@@ -190,7 +190,7 @@ def average_row(sets: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES, add_compile_arg, add_spec_args
+    from sglang_eagle3.engine.settings import add_compile_arg, add_dtype_arg, add_spec_args
     from sglang_eagle3.paths import data_dir
     p = argparse.ArgumentParser(prog="bench_acceptance.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--beside", default="idle", choices=LOADS,
                    help="run beside a busy process this benchmark starts and stops itself (bench/contention.py): "
@@ -269,7 +269,7 @@ def run(argv=None) -> int:
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.prompts import load_prompts
-    from sglang_eagle3.engine.settings import apply_compile_arg, resolve_dtype, settings_from_args
+    from sglang_eagle3.engine.settings import Settings, apply_compile_arg, resolve_dtype, settings_from_args
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.errors import UserError, check_at_least, flags_of
     from sglang_eagle3.models.testbed import resolve_target
@@ -298,7 +298,8 @@ def run(argv=None) -> int:
         a.argv = list(sys.argv[1:] if argv is None else argv)
         return run_drafters(a, sets, resolve_target(a.target), draft, resolved)
     # batch 1: one prompt at a time; the draft model's tree (--drafters compares the others)
-    settings = settings_from_args(argparse.Namespace(**{**vars(a), "drafter": "eagle", "tree": "profile"}), draft, 1)
+    settings = settings_from_args(argparse.Namespace(**{**vars(a), "drafter": "eagle", "tree": "profile"}), draft,
+                                  temperature=a.temperature)
     spec, profile, source = settings.engine_tree, settings.profile, settings.source
     a.num_steps, a.topk, a.num_draft_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens   # what ran is recorded
     # the profile's long-context table (greedy steps of rows that long), as the server runs it; flags: none
@@ -313,9 +314,9 @@ def run(argv=None) -> int:
     config = _config(a, target, os.path.abspath(draft))
     done, done_base = _resumable(a.out, config, a.fresh)
 
-    spec_engine = load_engine(target, draft, spec, a.dtype,
-                              profile=_long_only(profile, spec) if long is not None else None)
-    van_engine = SpeculativeEngine(spec_engine.target, None)
+    spec_engine = load_engine(target, Settings(a.dtype, draft, spec,
+                                               _long_only(profile, spec) if long is not None else None))
+    van_engine = SpeculativeEngine(spec_engine.target, None, Settings(a.dtype))
     base_engine = load_baseline(a.baseline_draft, spec_engine, spec) if a.baseline_draft else None
     in_draft_vocab = spec_engine.draft.t2d.cpu()                      # [vocab] bool
     warm = [[{"role": "user", "content": "Hello"}]]
@@ -418,7 +419,7 @@ def column_settings(a, draft, drafter: str, tree: str):
         flags.update(num_steps=None, topk=None, profile=None, **({} if tree == "auto" else {"num_draft_tokens": None}))
     try:
         return settings_from_args(argparse.Namespace(**{**vars(a), **flags}), "none" if drafter == "suffix" else draft,
-                                  1)
+                                  temperature=a.temperature)
     except UserError as e:
         raise UserError(f"--drafters {drafter}{'-auto' if tree == 'auto' else ''}: {e}") from None
 
@@ -445,8 +446,9 @@ def load_baseline(path: str, spec_engine, spec):
     """The baseline draft's engine on the main engine's target (loaded once)."""
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
+    from sglang_eagle3.engine.settings import Settings
     return SpeculativeEngine(spec_engine.target, load_draft(path, spec_engine.target.dtype, spec_engine.target.device),
-                             spec)
+                             Settings(spec_engine.settings.dtype, tree=spec))
 
 
 def main(argv=None) -> int:

@@ -28,8 +28,9 @@ _BUSY_CODE = {
     "torch2": ("import torch\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\n"
                "while True:\n    a = (a @ a).clamp_(-1, 1)"),
     "generate": ("import sys, torch\nfrom sglang_eagle3.engine.loader import load_engine\n"
+                 "from sglang_eagle3.engine.settings import Settings\n"
                  "from sglang_eagle3.engine.verify import SamplingParams\n"
-                 "e = load_engine(sys.argv[1], None, dtype=sys.argv[2])\n"
+                 "e = load_engine(sys.argv[1], Settings(sys.argv[2]))\n"
                  "p = SamplingParams(max_new_tokens=64, ignore_eos=True)\n"
                  "print('ready', flush=True)\n"
                  "while True:\n    e.generate([[{'role': 'user', 'content': 'Tell me about the moon.'}]], p)"),
@@ -85,12 +86,13 @@ def bench_contention(target_model, draft, spec, target_path: str, dtype: str, pr
 
     from sglang_eagle3.engine.cost_model import prepared_forward
     from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.threads import governor
     from sglang_eagle3.engine.verify import SamplingParams
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    engines = {"vanilla": SpeculativeEngine(target_model, None), "speculative": SpeculativeEngine(target_model, draft,
-                                                                                                  spec)}
+    engines = {"vanilla": SpeculativeEngine(target_model, None, Settings(dtype)),
+               "speculative": SpeculativeEngine(target_model, draft, Settings(dtype, tree=spec))}
     for e in engines.values():
         e.generate(chats[:1], SamplingParams(max_new_tokens=8))          # warm-up
     forward = prepared_forward(target_model, context, 8)

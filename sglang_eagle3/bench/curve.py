@@ -29,7 +29,7 @@ FORMAT = "sglang_eagle3.learning_curve/1"
 
 
 def build_parser():
-    from sglang_eagle3.engine.settings import add_spec_args
+    from sglang_eagle3.engine.settings import add_dtype_arg, add_spec_args
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True,
                    help="training run folder (repeatable: runs continued with --init-from, in order); a folder that "
@@ -40,7 +40,7 @@ def build_parser():
     p.add_argument("--datasets", default="mt_bench,gsm8k")
     p.add_argument("--n", type=int, default=3, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    add_dtype_arg(p)
     p.add_argument("--out", required=True, help="JSON; the PNG goes next to it")
     p.add_argument("--goal", type=float, default=3.0, help="τ the trend line is extrapolated to (default 3.0)")
     p.add_argument("--fresh", action="store_true", help="measure every checkpoint again (default: reuse the points "
@@ -53,9 +53,9 @@ def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int
     from sglang_eagle3.bench.acceptance import run_conversation
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_draft
-    from sglang_eagle3.engine.settings import DTYPES
+    from sglang_eagle3.engine.settings import DTYPES, Settings
     from sglang_eagle3.engine.verify import SamplingParams
-    eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), spec)
+    eng = SpeculativeEngine(target, load_draft(draft_dir, DTYPES[dtype]), Settings(dtype, tree=spec))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     out = {}
     for name, convs in prompts.items():
@@ -70,7 +70,7 @@ def measure_tau(target, draft_dir: str, spec, prompts: dict, max_new_tokens: int
 def run(argv=None) -> int:
     from sglang_eagle3.bench.acceptance import resolve_sets
     from sglang_eagle3.engine.prompts import load_prompts
-    from sglang_eagle3.engine.settings import DTYPES, fixed_tree
+    from sglang_eagle3.engine.settings import DTYPES, fixed_tree, resolve_dtype
     from sglang_eagle3.errors import UserError
     from sglang_eagle3.models.target import TargetModel
     from sglang_eagle3.models.testbed import resolve_target
@@ -79,6 +79,7 @@ def run(argv=None) -> int:
     from sglang_eagle3.training.trainer.logs import read_metrics
     from sglang_eagle3.training.trainer.run_folder import STATE_FILE
     a = build_parser().parse_args(argv)
+    a.dtype = resolve_dtype(a.dtype)
     spec = fixed_tree(a.num_steps, a.topk, a.num_draft_tokens)     # one tree for every checkpoint (flags, else 5/4/16)
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = {k: load_prompts(p, limit=a.n) for k, p in sets.items()}

@@ -29,7 +29,7 @@ from sglang_eagle3.engine.cost_model import prepared_forward
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.loader import load_draft
 from sglang_eagle3.engine.prompts import load_prompts
-from sglang_eagle3.engine.settings import DTYPES
+from sglang_eagle3.engine.settings import DTYPES, Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams
 from sglang_eagle3.kernels import decode as kernels
@@ -121,7 +121,7 @@ def bench_speed(rt: Runtimes, prompts: list[str], max_new_tokens: int) -> dict:
     from tqdm import tqdm
     params = SamplingParams(max_new_tokens=max_new_tokens)
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    engines = {n: SpeculativeEngine(rt.target(n), None) for n in ("eager", "fused")}
+    engines = {n: SpeculativeEngine(rt.target(n), None, Settings()) for n in ("eager", "fused")}
     variants = ["transformers", "eager", "fused"]
     runs = {v: [] for v in variants}
     same = {"fused_vs_transformers": 0, "fused_vs_eager": 0}
@@ -203,9 +203,9 @@ def bench_trees(rt: Runtimes, draft_path: str, dtype_name: str, prompts: list[st
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens)
     draft = load_draft(draft_path, DTYPES[dtype_name])
-    vanilla = SpeculativeEngine(rt.fused, None)
+    vanilla = SpeculativeEngine(rt.fused, None, Settings(dtype_name))
     vanilla.generate(chats[:1], SamplingParams(max_new_tokens=8))
-    engines = [SpeculativeEngine(rt.fused, draft, t) for t in trees]
+    engines = [SpeculativeEngine(rt.fused, draft, Settings(dtype_name, tree=t)) for t in trees]
     engines[0].generate(chats[:1], SamplingParams(max_new_tokens=8))
     van = {"tokens": 0, "steps": 0, "time": 0.0}
     per = [{"tokens": 0, "steps": 0, "time": 0.0, "draft": 0.0, "verify": 0.0} for _ in trees]
@@ -250,14 +250,14 @@ def bench_profile(rt: Runtimes, draft_path: Optional[str], dtype_name: str, prom
         with extension.using(rt.mode[name]):
             tm = rt.target(name)
             # prepares the draft for this runtime (mode off: plain weights and PyTorch norms)
-            eng = SpeculativeEngine(tm, draft, spec) if draft is not None else None
-            ids = SpeculativeEngine(tm, None).encode([{"role": "user", "content": prompt}])
+            eng = SpeculativeEngine(tm, draft, Settings(dtype_name, tree=spec)) if draft is not None else None
+            ids = SpeculativeEngine(tm, None, Settings(dtype_name)).encode([{"role": "user", "content": prompt}])
             for B in batches:
                 for kind, use in (("vanilla", None), ("speculative", spec)):
                     if kind == "speculative" and draft is None:
                         continue
                     w = SpecWorker(tm, draft if use else None, B, len(ids) + (steps + 4) * spec.num_draft_tokens + 8,
-                                   spec.num_steps * spec.topk)
+                                   spec.draft_slots)
                     params = [SamplingParams(max_new_tokens=10 ** 6, ignore_eos=True)] * B
                     for r in range(B):
                         w.prefill(r, ids, params[0])
@@ -336,8 +336,8 @@ def divergence(target_path: str, draft_path: Optional[str], dtype_name: str, pro
     from tqdm import tqdm
 
     from sglang_eagle3.engine.loader import load_engine
-    spec_engine = load_engine(target_path, draft_path, SpecConfig(), dtype_name)
-    vanilla = SpeculativeEngine(spec_engine.target, None)
+    spec_engine = load_engine(target_path, Settings(dtype_name, draft_path))
+    vanilla = SpeculativeEngine(spec_engine.target, None, Settings(dtype_name))
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(max_new_tokens=tokens)
     differ, first_diff = 0, []

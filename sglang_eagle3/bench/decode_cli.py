@@ -17,7 +17,7 @@ from sglang_eagle3.bench import run_cli
 from sglang_eagle3.bench.contention import LOADS as CONTENTION_LOADS
 from sglang_eagle3.bench.decode_report import plot, render
 from sglang_eagle3.bench.report import run_metadata, sibling, write_json_atomic, write_text_atomic
-from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES, load_profile, resolve_dtype
+from sglang_eagle3.engine.settings import add_dtype_arg, load_profile, resolve_dtype
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.testbed import resolve_target
@@ -39,7 +39,7 @@ def parser():
     ap.add_argument("--target", default="testbed")
     ap.add_argument("--draft", default=None, help="trained draft for the tree part (default: the shipped one)")
     ap.add_argument("--data", default=data_dir())
-    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(ap)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU path: CUDA graphs vs eager)")
     ap.add_argument("--n", type=int, default=6, help="MT-bench first turns for the speed part (batch 1)")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -8,9 +8,10 @@ import time
 import torch
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
-from sglang_eagle3.engine.loader import engine_from_settings
+from sglang_eagle3.engine.loader import load_engine
 from sglang_eagle3.engine.prompts import load_prompts
 from sglang_eagle3.engine.settings import (
+    Settings,
     add_compile_arg,
     add_dtype_arg,
     add_spec_args,
@@ -50,6 +51,7 @@ def run(argv=None) -> int:
     ap.add_argument("--draft", default=None, help="default: the shipped draft, else a random one (untrained)")
     add_spec_args(ap)
     add_compile_arg(ap)
+    ap.set_defaults(target="testbed")                   # the embedded target, always
     a = ap.parse_args(argv)
     apply_compile_arg(a)
     t0 = time.perf_counter()
@@ -68,8 +70,8 @@ def run(argv=None) -> int:
     if draft is None and shipped_draft() is None and a.drafter != "suffix":     # suffix: no draft model to stand in
         draft, note = random_draft(), " (no trained draft shipped: a RANDOM draft, so expect accept length ~1)"
     settings = settings_from_args(a, draft, batch_size=len(chats))
-    spec_engine = engine_from_settings(None, settings)
-    vanilla = SpeculativeEngine(spec_engine.target, None)
+    spec_engine = load_engine(a.target, settings)
+    vanilla = SpeculativeEngine(spec_engine.target, None, Settings(settings.dtype))
     few = extension.status()["few_row_kernel"]
     linears = {"amx": "AMX tile", "avx512_bf16": "AVX-512 BF16",
                "avx512f": "AVX-512F (bf16 weights widened in registers)",

@@ -194,16 +194,17 @@ def run_drafters(a, sets: dict[str, str], target: str, base_draft: Optional[str]
     from tqdm import tqdm
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
-    from sglang_eagle3.engine.loader import engine_from_settings
+    from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.prompts import load_prompts
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.verify import SamplingParams
 
     first = next((st for _, st in columns if st.draft), columns[0][1])     # loads the draft where a column uses it
-    base_engine = engine_from_settings(target, first)
+    base_engine = load_engine(target, first)
     tm, draft = base_engine.target, base_engine.draft
-    engines = {"vanilla": SpeculativeEngine(tm, None)}
+    engines = {"vanilla": SpeculativeEngine(tm, None, Settings(first.dtype))}
     for name, st in columns:
-        engines[name] = SpeculativeEngine(tm, draft if st.draft else None, st.engine_tree, st.profile, st.drafting)
+        engines[name] = SpeculativeEngine(tm, draft if st.draft else None, st)
     base = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                           ignore_eos=a.ignore_eos)
     warm = [[{"role": "user", "content": "Hello"}]]

@@ -98,7 +98,7 @@ def chat_text(tokenizer, prompt: str) -> str:
 def build_parser():
     import argparse
 
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.engine.settings import add_dtype_arg
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the shipped one)")
@@ -108,7 +108,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--draft-lengths", default="1,2,3,4", help="llama.cpp --spec-draft-n-max values (our chain length)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(p)
     p.add_argument("--out", default="results/bench_llamacpp.json")
     return p
 
@@ -122,7 +122,7 @@ def run(argv=None) -> int:
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.prompts import load_prompts
-    from sglang_eagle3.engine.settings import resolve_dtype
+    from sglang_eagle3.engine.settings import Settings, resolve_dtype
     from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.errors import UserError
@@ -144,9 +144,9 @@ def run(argv=None) -> int:
     sets = resolve_sets(a.datasets.split(","), a.data or data_dir())
     prompts = [(name, t[0]) for name, path in sets.items() for t in load_prompts(path, limit=a.n)]
     tgg, dgg = ensure_ggufs(target, draft)
-    eng = load_engine(target, draft, SpecConfig(1, 1, 2), a.dtype)
+    eng = load_engine(target, Settings(a.dtype, draft, SpecConfig(1, 1, 2)))
     tok = eng.tokenizer
-    vanilla = SpeculativeEngine(eng.target, None)
+    vanilla = SpeculativeEngine(eng.target, None, Settings(a.dtype))
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     chats = [[{"role": "user", "content": p}] for _, p in prompts]
     vanilla.generate(chats[:1], SamplingParams(max_new_tokens=8))
@@ -163,7 +163,7 @@ def run(argv=None) -> int:
         drafted, accepted = sum(x["n_drafted"] or 0 for x in lc), sum(x["n_accept"] or 0 for x in lc)
         steps = sum((x["n_predict"] or 0) - (x["n_accept"] or 0) for x in lc)
         lc_tps = statistics.median(x["decode_tps"] for x in lc if x["decode_tps"])
-        spec = SpeculativeEngine(eng.target, eng.draft, SpecConfig(n, 1, n + 1))
+        spec = SpeculativeEngine(eng.target, eng.draft, Settings(a.dtype, tree=SpecConfig(n, 1, n + 1)))
         spec.generate(chats[:1], SamplingParams(max_new_tokens=8))
         ours, ours_van = [], []
         for i, c in enumerate(chats):                                  # alternate who goes first

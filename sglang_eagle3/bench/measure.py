@@ -22,15 +22,17 @@ def measure_engine(a, prompts: list, done: set, on_rows) -> dict:
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     trees = tree_grid(a.steps, a.topks, a.ndts)
     incumbents = dict(getattr(a, "incumbents", None) or {})    # batch size -> the tree the profile holds now
     grid_keys = {tree_key(t) for t in trees}
-    base = load_engine(a.target, a.draft, SpecConfig(**trees[0]), a.dtype)
-    engines = {"vanilla": SpeculativeEngine(base.target, None)}
+    base = load_engine(a.target, Settings(a.dtype, a.draft, SpecConfig(**trees[0])))
+    engines = {"vanilla": SpeculativeEngine(base.target, None, Settings(a.dtype))}
     for t in trees + list(incumbents.values()):
-        engines.setdefault(tree_key(t), SpeculativeEngine(base.target, base.draft, SpecConfig(**t)))
+        engines.setdefault(tree_key(t), SpeculativeEngine(base.target, base.draft,
+                                                          Settings(a.dtype, tree=SpecConfig(**t))))
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
                             seed=a.seed if a.temperature > 0 else None)
     chats = [[{"role": "user", "content": p}] for p in prompts]

@@ -221,7 +221,7 @@ def plot(result: dict, path: str) -> str:
 
 # ---- command line ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.engine.settings import MAX_RUNNING, add_dtype_arg
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="a running OpenAI-compatible server, e.g. vanilla=http://127.0.0.1:30000/v1 (repeatable; "
@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="testbed")
     p.add_argument("--draft", default=None, help="with --start: the draft (default: the shipped one)")
     p.add_argument("--profile", default=None, help="with --start: speculation profile (default: the draft's own)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="with --start: " + AUTO_DTYPE_HELP)
-    p.add_argument("--max-running", type=int, default=32, help="with --start: the servers' running-batch limit")
+    add_dtype_arg(p, " (with --start: the servers' dtype)")
+    p.add_argument("--max-running", type=int, default=MAX_RUNNING,
+                   help="with --start: the servers' running-batch limit")
     p.add_argument("--drafters", default=None, metavar="LIST",
                    help="with --start: one server per drafter beside vanilla (bench_acceptance --drafters names, e.g. "
                         "eagle,hybrid-auto); default: one EAGLE-3 server with the draft's own settings")

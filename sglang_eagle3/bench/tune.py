@@ -133,7 +133,7 @@ def plot_grid(rows: list[dict], best: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_eagle3.engine.settings import AUTO_DTYPE_HELP, DTYPE_CHOICES
+    from sglang_eagle3.engine.settings import add_dtype_arg
     from sglang_eagle3.paths import data_dir
     p = argparse.ArgumentParser(prog="tune_spec.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculate at a batch size only if the best tree beats vanilla by this factor")
     p.add_argument("--adaptive-tolerance", type=float, default=0.05,
                    help="chain lengths within this fraction of the best chain become SGLang candidate_steps")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=AUTO_DTYPE_HELP + " (what eagle3 serve runs by default)")
+    add_dtype_arg(p, " (what eagle3 serve runs by default)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per SGLang request")
     p.add_argument("--out", required=True, help="profile JSON; .grid.json/.md/.png are written next to it")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from sglang_eagle3.engine.loader import engine_from_settings
+from sglang_eagle3.engine.loader import load_engine
 from sglang_eagle3.engine.prompts import load_prompts
 from sglang_eagle3.engine.settings import (
     add_compile_arg,
@@ -103,8 +103,8 @@ def run_generate(a) -> int:
     params = check_args(a)
     apply_compile_arg(a)
     rows = conversations(a)
-    settings = settings_from_args(a, a.draft, a.batch_size)
-    engine = engine_from_settings(a.target, settings)
+    settings = settings_from_args(a, a.draft, batch_size=a.batch_size, temperature=a.temperature)
+    engine = load_engine(a.target, settings)
     outputs, stats = decode_conversations(engine, rows, params, a)
     tree = settings.step_tree                  # with --tree auto: its size is the most a step verifies
     d = settings.drafting

@@ -434,7 +434,7 @@ class MeasuredCosts(StepCosts):
 
     def _far_context(self, longest: int) -> int:
         """The long context per_context is timed at: CONTEXTS[1], within the target's context (0: too short)."""
-        limit = int(getattr(self.target.hf_config, "max_position_embeddings", 0) or 0) or CONTEXTS[1] + longest + 1
+        limit = self.target.context_len or CONTEXTS[1] + longest + 1
         far = min(CONTEXTS[1], limit - longest - 1)
         return far if far > CONTEXTS[0] else 0
 

@@ -14,9 +14,8 @@ from typing import Optional, Union
 import torch
 
 from sglang_eagle3.engine.cost_model import StepCosts
-from sglang_eagle3.engine.profile import SpecProfile
-from sglang_eagle3.engine.scheduler import Request, RequestError, Scheduler, SchedulerStats, tree_slots
-from sglang_eagle3.engine.speculation import Drafting, SpecConfig
+from sglang_eagle3.engine.scheduler import Request, RequestError, Scheduler, SchedulerStats, check_fits, tree_slots
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 
 Prompt = Union[str, list]   # plain text, chat messages [{"role", "content"}], or token ids [int] (used as they are)
@@ -104,11 +103,11 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
 
 class SpeculativeEngine:
-    def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
-                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None):
-        self.target, self.draft = target, draft
-        self.spec, self.profile = spec or SpecConfig(), profile
-        self.drafting, self.costs = drafting or Drafting(), costs
+    def __init__(self, target, draft, settings: Settings, costs: Optional[StepCosts] = None):
+        """target and draft (None: vanilla decoding) loaded already; settings: what resolve_settings decided (the
+        tree, the adaptive table, the drafting); costs: the step costs --tree auto plans with (None: this machine's,
+        measured once and cached)."""
+        self.target, self.draft, self.settings, self.costs = target, draft, settings, costs
         self.tokenizer = target.tokenizer
         if draft is not None:
             draft.check_target(target.hf_config, target.aux_layer_ids)
@@ -117,50 +116,40 @@ class SpeculativeEngine:
             draft.check_runtime()
             draft.prepare_inference()
         self.eos_ids = eos_ids_of(target)
+        self.tree_slots = tree_slots(settings, draft is not None)    # target KV slots a verify writes per row
         self._scheduler: Optional[Scheduler] = None
-
-    @property
-    def context_len(self) -> Optional[int]:
-        return int(getattr(self.target.hf_config, "max_position_embeddings", 0) or 0) or None
 
     def encode(self, prompt: Prompt, truncate: bool = False, max_new_tokens: int = 0) -> list[int]:
         """Token ids of a prompt; with truncate, the oldest tokens are dropped to leave room for the answer."""
         ids = encode_prompt(self.tokenizer, prompt)
-        if truncate and self.context_len:
-            room = self.context_len - max_new_tokens - self.tree_slots()
+        context = self.target.context_len
+        if truncate and context:
+            room = context - max_new_tokens - self.tree_slots
             if room < 1:
                 raise RequestError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the target's "
-                                   f"context of {self.context_len} tokens")
+                                   f"context of {context} tokens")
             ids = ids[-room:]
         return ids
 
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
         """RequestError when a prompt of this many tokens plus its answer cannot fit the target's context."""
-        if num_prompt == 0:
-            raise RequestError("empty prompt (no tokens after tokenization)")
-        need = num_prompt + max_new_tokens + self.tree_slots()
-        if self.context_len and need > self.context_len:
-            raise RequestError(f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots()} "
-                               f"draft slots = {need} exceeds the target's context of {self.context_len} tokens "
-                               "(--truncate-prompt drops the oldest prompt tokens instead)")
-
-    def tree_slots(self) -> int:
-        return tree_slots(self.spec, self.profile, self.drafting, self.draft is not None)
+        check_fits(num_prompt, max_new_tokens, self.tree_slots, self.target.context_len,
+                   hint=" (--truncate-prompt drops the oldest prompt tokens instead)")
 
     def cost_measure_s(self) -> float:
         """Seconds spent so far measuring the step costs its planner uses (a one-off per machine, not decoding)."""
         s = self._scheduler
         return s.planner.measure_s if s is not None and s.planner is not None else 0.0
 
-    def scheduler(self, max_running: int, max_len: int) -> Scheduler:
-        """A scheduler with at least these rows and slots (kept between calls; grown when needed)."""
+    def scheduler(self, max_running: int, max_len: int, max_queue: Optional[int] = None) -> Scheduler:
+        """A scheduler with at least these rows and slots (kept between calls; grown when needed); max_queue: waiting
+        requests beyond which it refuses more (None: no limit)."""
         s = self._scheduler
-        if s is None or s.max_running < max_running or s.max_len < max_len:
-            learnt = (s.context, s.planner) if s is not None else None      # calibration and costs carry over
-            self._scheduler = None                         # free the old pools first
-            s = self._scheduler = Scheduler(self.target, self.draft, self.spec, self.profile, max_running,
-                                            max_len, max_queue=1 << 30, eos_ids=self.eos_ids,
-                                            drafting=self.drafting, costs=self.costs, learnt=learnt)
+        if s is None or s.max_running < max_running or s.max_len < max_len or s.max_queue != max_queue:
+            learnt = s.learnt if s is not None else None         # calibration and costs carry over
+            self._scheduler = None                              # free the old pools first
+            s = self._scheduler = Scheduler(self.target, self.draft, self.settings, max_running, max_len, max_queue,
+                                            self.eos_ids, self.costs, learnt)
         return s
 
     # ---- public API ----------------------------------------------------------------------
@@ -179,7 +168,7 @@ class SpeculativeEngine:
                 raise RequestError(f"prompt {i}: {e}") from None
             ids.append(x)
         bs = max(1, min(batch_size or len(prompts), len(prompts)))
-        max_len = max(len(x) for x in ids) + params.max_new_tokens + self.tree_slots() + 1
+        max_len = max(len(x) for x in ids) + params.max_new_tokens + self.tree_slots + 1
         sched = self.scheduler(bs, max_len)
         reqs = []
         for i, (p, x) in enumerate(zip(prompts, ids)):

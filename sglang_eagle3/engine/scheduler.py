@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, load_or_measure_costs
-from sglang_eagle3.engine.profile import SpecProfile
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.spec_worker import MAX_CONTEXT_NODES, SpecWorker, StepTimes
-from sglang_eagle3.engine.speculation import Drafting, SpecConfig
+from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.suffix import ContextDrafter
 from sglang_eagle3.engine.threads import governor
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
@@ -109,42 +109,66 @@ class SchedulerStats:
     context_tokens: int = 0        # accepted tokens that the context alone proposed
 
 
-def tree_slots(spec: Optional[SpecConfig], profile: Optional[SpecProfile], drafting: Drafting,
-               has_draft: bool) -> int:
+def tree_slots(settings: Settings, has_draft: bool) -> int:
     """Target KV slots one verify writes per row at most: the largest tree any step may run."""
+    drafting = settings.drafting
     if drafting.tree == "auto" and (has_draft or drafting.uses_context):
         return drafting.max_nodes
-    trees = (profile.trees() if profile else [spec or SpecConfig()]) if has_draft and drafting.uses_draft else []
-    drafted = max((t.num_draft_tokens for t in trees), default=1)
+    drafted = max((t.num_draft_tokens for t in settings.trees(has_draft)), default=1)
     return drafted + (MAX_CONTEXT_NODES if drafting.uses_context else 0)
 
 
+def check_fits(num_prompt: int, max_new_tokens: int, tree_slots: int, context_len: Optional[int],
+               max_len: Optional[int] = None, hint: str = "") -> None:
+    """RequestError naming the limit a request exceeds: the target's context, or max_len (the KV slots a request
+    may hold, eagle3 serve --max-len; None: no such limit) where that is lower. hint: what the caller can do about a
+    prompt too long for the context."""
+    if num_prompt == 0:
+        raise RequestError("empty prompt (no tokens after tokenization)")
+    need = num_prompt + max_new_tokens + tree_slots
+    limits = [n for n in (context_len, max_len) if n]
+    if not limits or need <= min(limits):
+        return
+    what = f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {tree_slots} draft slots = {need}"
+    if context_len and (max_len is None or context_len <= max_len):
+        raise RequestError(f"{what} exceeds the target's context of {context_len} tokens{hint}")
+    raise RequestError(f"{what} exceeds the {max_len} tokens a request may hold here (max_len: eagle3 serve --max-len"
+                       + (f"; the target's context is {context_len}" if context_len else "") + ")")
+
+
+@dataclass
+class Learnt:
+    """What a scheduler learnt while it ran, which a larger scheduler of the same engine starts from (else the
+    priors): the context drafter's calibration (and pool), the planner's step costs."""
+    context: Optional[ContextDrafter] = None
+    planner: Optional[TreePlanner] = None
+
+
 class Scheduler:
-    def __init__(self, target, draft=None, spec: Optional[SpecConfig] = None, profile: Optional[SpecProfile] = None,
-                 max_running: int = 8, max_len: int = 2048, max_queue: int = 256, eos_ids: Optional[set] = None,
-                 drafting: Optional[Drafting] = None, costs: Optional[StepCosts] = None,
-                 learnt: Optional[tuple] = None):
-        self.drafting = drafting = drafting or Drafting()
+    def __init__(self, target, draft, settings: Settings, max_running: int, max_len: int, max_queue: Optional[int],
+                 eos_ids: set[int], costs: Optional[StepCosts] = None, learnt: Optional[Learnt] = None):
+        """settings: what resolve_settings decided (tree, adaptive table, drafting); max_queue: waiting requests
+        beyond which submit raises QueueFull (None: no limit); costs: the step costs --tree auto plans with (None:
+        this machine's, measured once and cached)."""
+        self.drafting = drafting = settings.drafting
         draft = draft if drafting.uses_draft else None               # `suffix`: the draft model is not used
         self.target, self.draft, self.tokenizer = target, draft, target.tokenizer
-        self.spec = (spec or SpecConfig()) if draft is not None else None
-        self.profile = profile if draft is not None else None
-        self.tree_slots = tree_slots(self.spec, self.profile, drafting, draft is not None)
-        trees = self.profile.trees() if self.profile else [self.spec] if self.spec else []
-        draft_slots = max((t.num_steps * t.topk for t in trees), default=0)         # draft slots a tree writes
+        self.spec = settings.engine_tree if draft is not None else None
+        self.profile = settings.profile if draft is not None else None
+        self.tree_slots = tree_slots(settings, draft is not None)
+        draft_slots = max((t.draft_slots for t in settings.trees(draft is not None)), default=0)
         self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots)
-        # what the context drafter and the planner learnt (calibration, costs) carries over from an earlier scheduler
-        # of the same engine (learnt = (context drafter, planner)), else starts from the priors
-        self.context, self.planner = learnt or (None, None)
+        learnt = learnt or Learnt()
+        self.context = learnt.context
         if self.context is None and drafting.uses_context:
             self.context = ContextDrafter(drafting.context_tokens, drafting.context_branches, drafting.min_match,
                                           drafting.pool_tokens)
+        self.planner = learnt.planner
         if self.planner is None and drafting.tree == "auto" and (draft is not None or self.context is not None):
             costs = costs or load_or_measure_costs(target, max_running, drafting.max_nodes)
             self.planner = TreePlanner(costs, drafting.max_nodes, draft is not None)
         self.max_running, self.max_len, self.max_queue = max_running, max_len, max_queue
-        self.context_len = int(getattr(target.hf_config, "max_position_embeddings", 0) or 0) or None
-        self.eos_ids = eos_ids if eos_ids is not None else set()
+        self.eos_ids = eos_ids
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -152,27 +176,20 @@ class Scheduler:
         self.cond = threading.Condition()
         self._stop = False
 
+    @property
+    def learnt(self) -> Learnt:
+        return Learnt(self.context, self.planner)
+
     # ---- requests ------------------------------------------------------------------------------
     @property
     def limit(self) -> int:
         """Tokens one request may hold (prompt + answer + draft slots): the KV slots per request (max_len; eagle3
         serve --max-len), at most the target's context."""
-        return min(self.max_len, self.context_len or self.max_len)
+        return min(self.max_len, self.target.context_len or self.max_len)
 
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
         """RequestError naming the limit a request exceeds: the target's context, or max_len where that is lower."""
-        if num_prompt == 0:
-            raise RequestError("empty prompt (no tokens after tokenization)")
-        need = num_prompt + max_new_tokens + self.tree_slots
-        if need <= self.limit:
-            return
-        what = (f"prompt of {num_prompt} tokens + max_new_tokens {max_new_tokens} + {self.tree_slots} draft slots = "
-                f"{need}")
-        if self.context_len and self.context_len <= self.max_len:
-            raise RequestError(f"{what} exceeds the target's context of {self.context_len} tokens")
-        raise RequestError(f"{what} exceeds the {self.max_len} tokens a request may hold here (max_len: eagle3 serve "
-                           f"--max-len" + (f"; the target's context is {self.context_len}" if self.context_len else "")
-                           + ")")
+        check_fits(num_prompt, max_new_tokens, self.tree_slots, self.target.context_len, self.max_len)
 
     def submit(self, req: Request) -> Request:
         self.check_fits(len(req.prompt_ids), req.params.max_new_tokens)
@@ -182,7 +199,7 @@ class Scheduler:
         req.detok = IncrementalDetokenizer(self.tokenizer)
         req.output_logprobs = None if req.params.logprobs is None else []
         with self.cond:
-            if len(self.waiting) >= self.max_queue:
+            if self.max_queue is not None and len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.max_queue})")
             self.waiting.append(req)
             self.cond.notify_all()

@@ -8,7 +8,7 @@ from typing import Optional
 from sglang_eagle3.models.config import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpecConfig:
     """Tree shape, with SGLang's flag semantics.
 
@@ -25,11 +25,21 @@ class SpecConfig:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.topk == 1:
-            self.num_draft_tokens = min(self.num_draft_tokens, self.num_steps + 1)
-        max_tokens = 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
-        if self.num_draft_tokens > max_tokens:
+            object.__setattr__(self, "num_draft_tokens", min(self.num_draft_tokens, self.num_steps + 1))
+        if self.num_draft_tokens > self.max_tokens:
             raise ConfigError(f"--num-draft-tokens={self.num_draft_tokens} exceeds what num_steps={self.num_steps}, "
-                              f"topk={self.topk} can draft ({max_tokens})")
+                              f"topk={self.topk} can draft ({self.max_tokens})")
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest tree this depth and branching can draft: the root, topk children, then topk children of
+        each of the topk best nodes per further step."""
+        return 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft KV slots one drafting pass writes per row (topk tokens a step)."""
+        return self.num_steps * self.topk
 
     @property
     def key(self) -> str:
@@ -60,7 +70,7 @@ def check_drafting(entry, where: str) -> Optional[dict]:
     return {k: v for k, v in entry.items() if k in ("drafter", "tree", *DRAFTING_COUNTS)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Drafting:
     """Where a step's tree comes from and how big it is.
 
@@ -96,5 +106,4 @@ class Drafting:
         depth and branching and, as its size, the most a step may verify (max_nodes, at most what they can draft)."""
         if spec is None or self.tree != "auto":
             return spec
-        most = 1 + spec.topk + (spec.num_steps - 1) * spec.topk * spec.topk
-        return SpecConfig(spec.num_steps, spec.topk, min(self.max_nodes, most))
+        return SpecConfig(spec.num_steps, spec.topk, min(self.max_nodes, spec.max_tokens))

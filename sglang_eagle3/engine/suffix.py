@@ -101,7 +101,7 @@ class SuffixPool:
     streams the pool holds. Bounded by `max_tokens` in all; the least recently added stream goes first, and the
     index drops a gone stream's entries once they outnumber the live ones (amortised O(1) per token)."""
 
-    def __init__(self, max_tokens: int = 1 << 16, max_n: int = 8, keep: int = 4):
+    def __init__(self, max_tokens: int, max_n: int = 8, keep: int = 4):
         self.max_tokens, self.max_n, self.keep = max_tokens, max_n, keep
         self.streams: OrderedDict[object, tuple[int, list[int]]] = OrderedDict()   # key -> (stream id, tokens)
         self.live: dict[int, list[int]] = {}                                         # stream id -> tokens
@@ -187,8 +187,9 @@ class ContextDrafter:
     """Proposals from each running request's own text (and the pool of recent requests'), scored by calibrated
     acceptance chances, and the calibration learnt from what the verifies accepted (greedy and sampled apart)."""
 
-    def __init__(self, max_tokens: int = 8, max_branches: int = 2, min_match: int = 2, pool_tokens: int = 0,
-                 max_n: int = 8):
+    def __init__(self, max_tokens: int, max_branches: int, min_match: int, pool_tokens: int, max_n: int = 8):
+        """The Drafting fields of the same names (context_tokens, context_branches, min_match, pool_tokens: 0 for
+        none)."""
         self.max_tokens, self.max_branches, self.min_match, self.max_n = max_tokens, max_branches, min_match, max_n
         self.streams: dict[object, SuffixIndex] = {}
         self.pool = SuffixPool(pool_tokens, max_n) if pool_tokens else None

@@ -28,7 +28,8 @@ def add_cli(sub) -> None:
     q.add_argument("--out", required=True)
     q.add_argument("--draft-vocab-size", type=int, default=None, help="default: the target's vocab size")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="the dtype the draft's weights are written in (default bfloat16)")
     q.add_argument("--force", action="store_true", help="replace the weights and config.json of a draft in --out "
                                                         "(every other file there is kept)")
     q.set_defaults(func=run_init_draft)

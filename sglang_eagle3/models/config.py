@@ -36,6 +36,13 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     return [1, L // 2 - 1, L - 4]
 
 
+def context_length(hf_config) -> Optional[int]:
+    """The tokens a target attends over (its max_position_embeddings; a multimodal config's text part), None where
+    its config does not say."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(getattr(text, "max_position_embeddings", 0) or 0) or None
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int

@@ -20,7 +20,7 @@ from torch import nn
 
 from sglang_eagle3.kernels import decode as K
 from sglang_eagle3.kernels import extension
-from sglang_eagle3.models.config import ConfigError, default_aux_layer_ids
+from sglang_eagle3.models.config import ConfigError, context_length, default_aux_layer_ids
 from sglang_eagle3.models.kvcache import KVPool, prefill_attention, tree_new_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -109,6 +109,11 @@ class TargetModel(nn.Module):
     @property
     def dtype(self):
         return self.embed_tokens.weight.dtype
+
+    @property
+    def context_len(self) -> Optional[int]:
+        """The tokens a sequence may hold (the config's max_position_embeddings), None where it does not say."""
+        return context_length(self.hf_config)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer's matrices and norms, the final norm, the lm_head."""

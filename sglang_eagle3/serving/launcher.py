@@ -30,20 +30,21 @@ import sys
 from typing import Optional
 
 from sglang_eagle3.engine.settings import (
-    AUTO_DTYPE_HELP,
-    DTYPE_CHOICES,
+    MAX_LEN_CAP,
+    MAX_QUEUE,
+    MAX_RUNNING,
+    POOL_TOKENS,
+    SGLANG_TREE,
     Settings,
     add_compile_arg,
+    add_dtype_arg,
     apply_compile_arg,
+    is_embedded,
     settings_from_args,
 )
 from sglang_eagle3.engine.speculation import DRAFTERS, TREE_SIZING, SpecConfig
 from sglang_eagle3.errors import UserError, check_at_least, flags_of
 
-DEFAULT_SPEC = SpecConfig()
-BUILTIN_MAX_RUNNING = 32
-BUILTIN_MAX_QUEUE = 256
-DEFAULT_POOL_TOKENS = 1 << 16
 DEFAULT_ATTENTION_BACKEND = "flashinfer"
 # flags only one engine reads (given to the other, they would be ignored): refused there
 BUILTIN_ONLY = ("max_queue", "max_len", "pool_tokens", "max_body_mb")
@@ -74,12 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port (default 30000, as SGLang)")
     g = p.add_argument_group("builtin engine")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    add_dtype_arg(g)
     g.add_argument("--max-queue", type=int, default=None,
-                   help=f"waiting requests beyond which the server answers 503 (default {BUILTIN_MAX_QUEUE})")
+                   help=f"waiting requests beyond which the server answers 503 (default {MAX_QUEUE})")
     add_compile_arg(g)
     g.add_argument("--max-len", type=int, default=None,
-                   help="KV slots per request: prompt + max_tokens + draft tree (default min(target context, 4096))")
+                   help=f"KV slots per request: prompt + max_tokens + draft tree (default min(target context, "
+                        f"{MAX_LEN_CAP}))")
     g.add_argument("--max-body-mb", type=float, default=None,
                    help="largest request body in MiB, a 413 past it (default 4, or 256 bytes a token of --max-len "
                         "where that is more)")
@@ -87,15 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    '"topk": .., "num_draft_tokens": ..}, ...}} (default: the '
                                                    "draft folder's spec_profile.json)")
     p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=None,
-                   help=f"concurrent requests: builtin, the running-batch limit (default {BUILTIN_MAX_RUNNING}); "
+                   help=f"concurrent requests: builtin, the running-batch limit (default {MAX_RUNNING}); "
                         "sglang, caps SGLang's --max-running-requests and --cuda-graph-max-bs-decode and picks "
                         "the profile entry (default: SGLang's own limits, the profile's batch-1 entry)")
     p.add_argument("--num-steps", type=int, default=None, help=f"tree depth (default: profile, else "
-                                                               f"{DEFAULT_SPEC.num_steps})")
+                                                               f"{SGLANG_TREE.num_steps})")
     p.add_argument("--topk", type=int, default=None, help=f"branching per step (default: profile, else "
-                                                          f"{DEFAULT_SPEC.topk})")
+                                                          f"{SGLANG_TREE.topk})")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help=f"tokens verified per step (default: profile, else {DEFAULT_SPEC.num_draft_tokens})")
+                   help=f"tokens verified per step (default: profile, else {SGLANG_TREE.num_draft_tokens})")
     g.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                    help="eagle: the draft model's tree; suffix: continuations of the context (no draft model); hybrid: "
                         "both in one tree (default: the profile's choice for this host, else eagle)")
@@ -103,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile: the fixed tree per batch size; auto: sized each step by this machine's costs")
     g.add_argument("--pool-tokens", type=int, default=None,
                    help=f"suffix/hybrid: tokens of recent requests searched for continuations too (default "
-                        f"{DEFAULT_POOL_TOKENS}, about 150 MB of index; 0: none)")
+                        f"{POOL_TOKENS}, about 150 MB of index; 0: none)")
     p.add_argument("--attention-backend", default=None,
                    help=f"SGLang attention backend (default {DEFAULT_ATTENTION_BACKEND})")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA "
@@ -176,8 +178,9 @@ def check_max_len(target: str, max_len: Optional[int]) -> None:
     if max_len is None:
         return
     from transformers import AutoConfig
-    tc = AutoConfig.from_pretrained(target)
-    ctx = getattr(getattr(tc, "text_config", tc), "max_position_embeddings", None)
+
+    from sglang_eagle3.models.config import context_length
+    ctx = context_length(AutoConfig.from_pretrained(target))
     if ctx and max_len > ctx:
         raise UserError(f"--max-len {max_len} exceeds the target's context of {ctx} tokens")
 
@@ -280,7 +283,7 @@ def serve_sglang(args, extra: list[str]) -> int:
     if args.drafter not in (None, "eagle") or args.tree == "auto":
         raise UserError(f"--drafter {args.drafter} / --tree {args.tree}: context drafting and per-step trees run in "
                         "the builtin engine (--engine builtin); SGLang drafts with its EAGLE-3 worker")
-    embedded = getattr(args, "embedded_target", False) or args.target in (None, "testbed")
+    embedded = is_embedded(args)
     settings = settings_from_args(args, args.draft, batch_size=args.batch_size or 1, device="cuda")   # SGLang: GPUs
     if settings.draft is None and settings.source == "no draft" and args.draft != "none":
         raise UserError("--draft is required with --engine sglang (an EAGLE-3 draft folder or hub id)")
@@ -315,16 +318,14 @@ def serve_builtin(args, extra: list[str]) -> int:
     apply_compile_arg(args)
     sock = None if args.dry_run else bind_port(args.host, args.port)    # held until the server listens on it
     try:
-        settings = settings_from_args(args, args.draft, batch_size=1)
-        settings.drafting.pool_tokens = pool_tokens(args, settings)
+        settings = settings_from_args(args, args.draft, batch_size=1, server=True)
         if settings.draft is None and "chooses no speculation" in settings.source:
             print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
         target = resolve_target(args.target)
         check_max_len(target, args.max_len)
         if settings.draft and not args.skip_check:
             run_draft_check(target, settings.draft)
-        state = build_state(target, settings, args.batch_size or BUILTIN_MAX_RUNNING,
-                            args.max_queue or BUILTIN_MAX_QUEUE, args.max_len, max_body_mb=args.max_body_mb)
+        state = build_state(target, settings, max_body_mb=args.max_body_mb)
         how = settings.describe() + \
             (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
         print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)
@@ -334,17 +335,6 @@ def serve_builtin(args, extra: list[str]) -> int:
     finally:
         if sock is not None:
             sock.close()
-
-
-def pool_tokens(args, settings: Settings) -> int:
-    """--pool-tokens where a context drafter runs (its default there), else 0; given without one: refused."""
-    if settings.drafting.uses_context:
-        return DEFAULT_POOL_TOKENS if args.pool_tokens is None else args.pool_tokens
-    if args.pool_tokens is not None:
-        how = f"drafts with {settings.drafting.drafter}" if settings.speculates else "does not speculate"
-        raise UserError(f"--pool-tokens {args.pool_tokens} applies to the context drafters (--drafter suffix or "
-                        f"hybrid), but this server {how}")
-    return 0
 
 
 def serve(args, extra: Optional[list[str]] = None) -> int:

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_eagle3.engine.engine import encode_prompt, is_token_ids
 from sglang_eagle3.engine.scheduler import QueueFull, Request, RequestError, Scheduler
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.verify import SamplingParams
 from sglang_eagle3.serving.openai_protocol import (
     APIError,
@@ -540,23 +541,19 @@ class ServerErrors:
 
 
 # ---- building and running ---------------------------------------------------------------------------
-def build_state(target: str, settings, max_running: int, max_queue: int, max_len: Optional[int] = None,
-                model_name: Optional[str] = None, max_body_mb: Optional[float] = None) -> ServerState:
-    """The engine resolve_settings decided on, behind one scheduler: max_len KV slots per request (default and
-    cap: the target's context, at most 4096 by default); request bodies up to max_body_mb (default:
-    default_body_limit)."""
-    from sglang_eagle3.engine.engine import eos_ids_of
-    from sglang_eagle3.engine.loader import engine_from_settings
-    engine = engine_from_settings(target, settings)
-    tctx = int(getattr(engine.target.hf_config, "max_position_embeddings", 0) or 0) or 4096
-    max_len = min(max_len or min(tctx, 4096), tctx)
-    sched = Scheduler(engine.target, engine.draft, engine.spec, engine.profile, max_running=max_running,
-                      max_len=max_len, max_queue=max_queue, eos_ids=eos_ids_of(engine.target),
-                      drafting=engine.drafting)
+def build_state(target: str, settings: Settings, model_name: Optional[str] = None,
+                max_body_mb: Optional[float] = None) -> ServerState:
+    """The engine resolve_settings decided on, behind its scheduler (the settings' running and queue limits, their
+    KV slots per request); request bodies up to max_body_mb (default: default_body_limit)."""
+    from sglang_eagle3.engine.loader import load_engine
+    engine = load_engine(target, settings)
+    context = engine.target.context_len
+    max_len = settings.slots_per_request(context)
+    sched = engine.scheduler(settings.max_running, max_len, settings.max_queue)
     name = model_name or os.path.basename(os.path.normpath(target))
     info = {"draft": os.path.abspath(settings.draft) if settings.draft else None, "dtype": settings.dtype,
-            "max_running_requests": max_running, "context_length": max_len, "target_context_length": tctx,
-            "kv_pool_mb": round(sched.worker.nbytes() / 2 ** 20, 1)}
+            "max_running_requests": settings.max_running, "context_length": max_len,
+            "target_context_length": context, "kv_pool_mb": round(sched.worker.nbytes() / 2 ** 20, 1)}
     return ServerState(sched, name, info, None if max_body_mb is None else max(1, round(max_body_mb * 2 ** 20)))
 
 

@@ -329,10 +329,11 @@ def run(args) -> int:
             raise UserError(f"--server {args.server}: {type(e).__name__}: {e}; finished rows are kept in "
                             f"{args.out}.partial, rerun to resume") from None
     else:
-        from sglang_eagle3.engine.loader import engine_from_settings
+        from sglang_eagle3.engine.loader import load_engine
         from sglang_eagle3.engine.settings import settings_from_args
-        settings = settings_from_args(args, args.draft or "none")      # no draft unless asked: vanilla decoding
-        gen = EngineGenerator(engine_from_settings(args.target, settings, args.device),
+        # no draft unless asked: vanilla decoding
+        settings = settings_from_args(args, args.draft or "none", temperature=args.temperature, device=args.device)
+        gen = EngineGenerator(load_engine(args.target, settings),
                               args.max_new_tokens, args.temperature, args.batch_size, args.seed)
         # the engine batches continuously: hand it several batches' worth of conversations per call
         regenerate(convs, gen, args.out, args.write_every or 4 * args.batch_size, args.max_turns, args.overwrite,

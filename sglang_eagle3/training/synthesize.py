@@ -264,8 +264,8 @@ def run(args) -> int:
                 os.remove(stale)
     check_settings(args.out, run_settings(args), args.overwrite)   # a resumed run draws the same way
     from sglang_eagle3.engine.loader import load_engine
-    from sglang_eagle3.engine.speculation import SpecConfig
-    engine = load_engine(args.target, "none", SpecConfig(), args.dtype, args.device)
+    from sglang_eagle3.engine.settings import resolve_settings
+    engine = load_engine(args.target, resolve_settings("none", dtype=args.dtype, device=args.device))
     counts = synthesize(engine, args.n, args.out, args.seed, args.temperature, args.top_p, args.max_new_tokens,
                         args.batch_size, args.system, flt, not args.quiet,
                         follow=FollowUps(args.turns, args.answer_temperature, args.answer_max_new_tokens))

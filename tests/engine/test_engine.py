@@ -4,6 +4,7 @@ import torch
 from conftest import random_draft, tiny_target
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams
 from sglang_eagle3.models.config import Eagle3Config
@@ -65,7 +66,7 @@ def prompts_of(lengths, vocab, seed=0):
 def test_vanilla_equals_transformers_generate(family):
     tm, hf = tiny_target(family, eos_token_id=None, logit_scale=4.0)
     prompts = prompts_of([3, 9, 14], tm.vocab_size)
-    outs, stats = SpeculativeEngine(tm, None).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    outs, stats = SpeculativeEngine(tm, None, Settings()).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     for p, o in zip(prompts, outs):
         ids = torch.tensor([[int(x) for x in p.split()]])
         ref = hf.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
@@ -78,9 +79,9 @@ def test_random_draft_is_lossless_in_batches(spec):
     tm, _ = tiny_target("llama", logit_scale=4.0)
     prompts = prompts_of([2, 7, 13, 5, 1], tm.vocab_size)
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
-    spec_out, stats = SpeculativeEngine(tm, random_draft(tm, draft_vocab_size=40), spec).generate(prompts, params,
-                                                                                                 batch_size=3)
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, params)
+    spec_out, stats = SpeculativeEngine(tm, random_draft(tm, draft_vocab_size=40), Settings(tree=spec)).generate(
+        prompts, params, batch_size=3)
     assert [o.token_ids for o in spec_out] == [o.token_ids for o in van]
     assert stats.generated_tokens == 125
 
@@ -92,10 +93,10 @@ def test_oracle_drafts_accept_and_stay_lossless(spec, skill):
     tm, _ = tiny_target("qwen2", logit_scale=4.0)
     prompts = prompts_of([4, 9, 6], tm.vocab_size, seed=3)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, params)
     refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
     draft = oracle_for(tm, refs, skill)
-    outs, stats = SpeculativeEngine(tm, draft, spec).generate(prompts, params)
+    outs, stats = SpeculativeEngine(tm, draft, Settings(tree=spec)).generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in van]
     if skill == 1.0:   # a perfect draft fills every step (tokens beyond max_new_tokens are cut)
         assert stats.accept_length >= 0.8 * (spec.num_steps + 1)
@@ -113,10 +114,10 @@ def test_bf16_greedy_speculation_equals_bf16_vanilla(spec):
     tm, _ = tiny_target("llama", dtype=torch.bfloat16, head_dim=64, logit_scale=4.0)
     prompts = prompts_of([5, 14, 23], tm.vocab_size, seed=5)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(prompts, params)
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, params)
     refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
     draft = oracle_for(tm, refs, skill=0.6).to(torch.bfloat16)
-    outs, stats = SpeculativeEngine(tm, draft, spec).generate(prompts, params)
+    outs, stats = SpeculativeEngine(tm, draft, Settings(tree=spec)).generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in van]
     assert stats.accept_length > 1.2
 
@@ -124,14 +125,14 @@ def test_bf16_greedy_speculation_equals_bf16_vanilla(spec):
 def test_eos_stop_strings_and_uneven_finish():
     tm, hf = tiny_target("llama", logit_scale=4.0)
     prompts = prompts_of([3, 8, 5, 11], tm.vocab_size, seed=5)
-    van_long, _ = SpeculativeEngine(tm, None).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    van_long, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     # choose as EOS a token that the first sequence emits at step 6: it must stop there, the others go on
     eos = van_long[0].token_ids[5]
     tm.tokenizer.eos_token_id = eos
     tm.hf_config.eos_token_id = eos
     refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van_long)]
     for draft, spec in [(None, None), (oracle_for(tm, refs, 0.7), SpecConfig(4, 2, 8))]:
-        eng = SpeculativeEngine(tm, draft, spec)
+        eng = SpeculativeEngine(tm, draft, Settings(tree=spec))
         outs, stats = eng.generate(prompts, SamplingParams(max_new_tokens=30))
         for o, full in zip(outs, van_long):
             cut = full.token_ids.index(eos) + 1 if eos in full.token_ids else 30
@@ -149,7 +150,7 @@ def test_eos_stop_strings_and_uneven_finish():
 
 def test_max_new_tokens_one_and_stats():
     tm, _ = tiny_target("llama")
-    eng = SpeculativeEngine(tm, random_draft(tm), SpecConfig(3, 2, 6))
+    eng = SpeculativeEngine(tm, random_draft(tm), Settings(tree=SpecConfig(3, 2, 6)))
     outs, stats = eng.generate(["5 6 7", "8"], SamplingParams(max_new_tokens=1, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [1, 1] and stats.verify_steps == 2
     outs, stats = eng.generate(["5 6 7"], SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -162,7 +163,7 @@ def test_draft_for_another_target_is_refused():
     tm, _ = tiny_target("llama")
     other, _ = tiny_target("llama", vocab_size=80)
     with pytest.raises(CheckpointError, match="vocab_size"):
-        SpeculativeEngine(tm, random_draft(other))
+        SpeculativeEngine(tm, random_draft(other), Settings())
 
 
 def test_steps_without_speculation_keep_the_draft_in_sync():
@@ -178,7 +179,7 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
     prompts = [[5, 9, 3, 7], [8, 2, 6, 11, 12]]
 
     def run(plan):
-        w = SpecWorker(tm, draft, num_rows=2, max_len=400, draft_tree_slots=spec.num_steps * spec.topk)
+        w = SpecWorker(tm, draft, num_rows=2, max_len=400, draft_tree_slots=spec.draft_slots)
         out = [[w.prefill(r, p, greedy[0])[0]] for r, p in enumerate(prompts)]
         for use_spec in plan:
             res = w.step([0, 1], greedy, [None, None], spec if use_spec else None)

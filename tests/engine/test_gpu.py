@@ -8,6 +8,7 @@ import torch
 from conftest import random_draft, tiny_target
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams
 
@@ -32,11 +33,11 @@ def test_cuda_graphs_equal_eager_and_transformers(spec):
     ps = prompts(tm.vocab_size)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     draft = random_draft(tm, draft_vocab_size=48) if spec else None
-    graphs = SpeculativeEngine(tm, draft, spec)
+    graphs = SpeculativeEngine(tm, draft, Settings(tree=spec))
     outs, _ = graphs.generate(ps, params, batch_size=3)
     sched = graphs._scheduler
     assert sched.worker.graphs is not None and sched.worker.graphs.graphs            # graphs were captured
-    eager = SpeculativeEngine(tm, draft, spec)
+    eager = SpeculativeEngine(tm, draft, Settings(tree=spec))
     eager.scheduler(3, 128).worker.graphs = None
     ref, _ = eager.generate(ps, params, batch_size=3)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -7,6 +7,7 @@ from test_engine import oracle_for, prompts_of
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.scheduler import Request
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams, TokenLogprob
 from sglang_eagle3.serving.openai_protocol import reported_logprobs
@@ -25,12 +26,12 @@ def test_logprobs_are_the_targets_at_each_emitted_token(spec, temperature):
     tm, hf = tiny_target("llama", logit_scale=12.0)       # peaked: samples mostly follow the greedy references
     prompts = prompts_of([4, 9, 6], tm.vocab_size, seed=2)
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(prompts, greedy)
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, greedy)
     assert all(o.logprobs is None for o in van)                        # off unless asked for
     refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
     draft = oracle_for(tm, refs, 0.6) if spec else None                # partly accepted paths
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=3, logprobs=3)
-    outs, stats = SpeculativeEngine(tm, draft, spec).generate(prompts, params, batch_size=2)
+    outs, stats = SpeculativeEngine(tm, draft, Settings(tree=spec)).generate(prompts, params, batch_size=2)
     if spec:     # accepted draft nodes emitted tokens (few when sampling: the oracle knows the greedy answers)
         assert stats.accept_length > (1.3 if temperature == 0 else 1.03)
     for p, o in zip(prompts, outs):
@@ -50,11 +51,11 @@ def test_logprobs_are_the_targets_at_each_emitted_token(spec, temperature):
 def test_logprobs_follow_stop_string_cuts():
     tm, _ = tiny_target("llama", logit_scale=4.0)
     prompt = prompts_of([5], tm.vocab_size, seed=7)
-    full, _ = SpeculativeEngine(tm, None).generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    full, _ = SpeculativeEngine(tm, None, Settings()).generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
     ids = full[0].token_ids
     stop = f"t{ids[6]} t{ids[7]}"                                       # IdTokenizer renders tokens as "t<id>"
     refs = [[int(x) for x in prompt[0].split()] + ids]
-    eng = SpeculativeEngine(tm, oracle_for(tm, refs, 1.0), SpecConfig(4, 1, 5))   # the stop lands inside a step
+    eng = SpeculativeEngine(tm, oracle_for(tm, refs, 1.0), Settings(tree=SpecConfig(4, 1, 5)))   # the stop lands inside a step
     outs, _ = eng.generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, stop=[stop], logprobs=0))
     o = outs[0]
     first = next(n for n in range(1, 21) if stop in " ".join(f"t{i}" for i in ids[:n]))

@@ -12,6 +12,7 @@ from conftest import fake_step_costs, linear_cost, random_draft, tiny_target
 
 from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_tree_size
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import Drafting, SpecConfig
 from sglang_eagle3.engine.suffix import ContextDrafter, MatchCalibration, SuffixIndex, SuffixPool
 from sglang_eagle3.engine.tree import Candidates, chain_candidates, merge_candidates, tree_of
@@ -424,9 +425,9 @@ def test_generate_with_an_all_zero_step_cost_cache_measures_again(tmp_path, monk
     zero["verify"] = {b: {t: 0.0 for t in row} for b, row in zero["verify"].items()}
     file.write_text(json.dumps(zero))
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(REPETITIVE[:1], params)
-    eng = SpeculativeEngine(tm, random_draft(tm, seed=3), SpecConfig(2, 2, 4),
-                            drafting=Drafting("hybrid", "auto", max_nodes=8))
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(REPETITIVE[:1], params)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=3),
+                            Settings(tree=SpecConfig(2, 2, 4), drafting=Drafting("hybrid", "auto", max_nodes=8)))
     outs, _ = eng.generate(REPETITIVE[:1], params)
     assert outs[0].token_ids == van[0].token_ids
     (line,) = warnings_of(capsys.readouterr().err)
@@ -492,8 +493,8 @@ def test_greedy_output_equals_vanilla_with_context_proposals(drafter, tree, dtyp
     tm, _ = tiny_target("llama", dtype=dtype, vocab_size=64, logit_scale=2.0)
     draft = random_draft(tm, seed=3)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    van, _ = SpeculativeEngine(tm, None).generate(REPETITIVE, params, batch_size=1)
-    eng = SpeculativeEngine(tm, draft, SpecConfig(2, 2, 4), drafting=Drafting(drafter, tree, max_nodes=12),
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(REPETITIVE, params, batch_size=1)
+    eng = SpeculativeEngine(tm, draft, Settings(tree=SpecConfig(2, 2, 4), drafting=Drafting(drafter, tree, max_nodes=12)),
                             costs=flat_costs(per_token=0.0002))
     for bs in (1, 3):
         outs, stats = eng.generate(REPETITIVE, params, batch_size=bs)
@@ -505,7 +506,7 @@ def test_greedy_output_equals_vanilla_with_context_proposals(drafter, tree, dtyp
 
 
 def test_context_drafter_proposes_and_observes():
-    d = ContextDrafter(max_tokens=3, max_branches=1, min_match=2)
+    d = ContextDrafter(max_tokens=3, max_branches=1, min_match=2, pool_tokens=0)
     d.start("r", [1, 2, 3, 1, 2])
     (chains,) = d.proposals(["r"], [True])
     assert chains[0][0] == [3, 1, 2] and len(chains[0][1]) == 3
@@ -520,8 +521,9 @@ def test_context_drafter_proposes_and_observes():
 
 def test_what_was_learnt_carries_over_when_the_engine_grows_its_pools():
     tm, _ = tiny_target("llama", vocab_size=64)
-    eng = SpeculativeEngine(tm, random_draft(tm, seed=3), SpecConfig(2, 2, 4),
-                            drafting=Drafting("hybrid", "auto", max_nodes=8), costs=flat_costs())
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=3),
+                            Settings(tree=SpecConfig(2, 2, 4), drafting=Drafting("hybrid", "auto", max_nodes=8)),
+                            costs=flat_costs())
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     eng.generate(["3 4 5"], params)
     first = eng._scheduler

@@ -96,10 +96,11 @@ def test_greedy_output_does_not_depend_on_the_thread_count():
     from conftest import random_draft, tiny_target
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.speculation import SpecConfig
     from sglang_eagle3.engine.verify import SamplingParams
     target, _ = tiny_target(dtype=torch.bfloat16)
-    engine = SpeculativeEngine(target, random_draft(target), SpecConfig(3, 2, 6))
+    engine = SpeculativeEngine(target, random_draft(target), Settings(tree=SpecConfig(3, 2, 6)))
     prompts = [[5, 9, 17, 3, 41], [7, 7, 2, 60, 11, 23]]
     params = SamplingParams(max_new_tokens=24)
     before = torch.get_num_threads()
@@ -159,8 +160,9 @@ def test_a_long_prompt_decodes_the_same_tokens_on_whatever_threads_the_governor_
     """The embedded target, bf16: the prefill of a long prompt runs on the starting thread count (oneDNN's many-row
     sums depend on it: the first differing token came 44 tokens in), the steps on the governor's."""
     from sglang_eagle3.engine.loader import load_engine
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.verify import SamplingParams
-    engine = load_engine("testbed", None, dtype="bfloat16")
+    engine = load_engine("testbed", Settings("bfloat16"))
     text = " ".join(f"In year {1900 + i} the town council of Rivermouth met {i % 7 + 2} times and argued about the "
                     f"bridge, the harbour tax and the school roof." for i in range(40))
     chat = [{"role": "user", "content": "Summarise this record:\n" + text}]

@@ -7,6 +7,7 @@ from conftest import random_draft, tiny_target
 
 from sglang_eagle3.engine import spec_worker as engine_mod
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
 from sglang_eagle3.kernels import extension
@@ -188,8 +189,8 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, ext, drafter
         monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
     if biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
-    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), SpecConfig(2, 3, 6),
-                            drafting=Drafting(drafter, context_tokens=3, context_branches=2, min_match=1))
+    drafting = Drafting(drafter, context_tokens=3, context_branches=2, min_match=1)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), Settings(tree=SpecConfig(2, 3, 6), drafting=drafting))
     counts = torch.zeros(3, 16)
     from_context = 0
     for seed in range(3):

@@ -278,7 +278,8 @@ def test_the_builtin_server_listens_on_the_socket_it_checked(folders, monkeypatc
             super().__init__(config)
             servers.append(self)
     monkeypatch.setattr(uvicorn, "Server", Recording)
-    state = build_state(target, Settings("float32", None, None, None, "test"), 2, 8, 64, "tiny")
+    state = build_state(target, Settings("float32", None, None, None, "test", max_running=2, max_queue=8, max_len=64),
+                        "tiny")
     thread = threading.Thread(target=run_server, args=(state, "127.0.0.1", port), kwargs={"sock": sock}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -316,6 +317,26 @@ def test_flags_the_chosen_engine_or_drafter_would_ignore_are_refused(capsys, fol
         assert err.count("\n") == 1 and said in err, (argv, err)
     cmd = dry_run(capsys, *base(folders, "--dtype", "float16"))
     assert cmd[cmd.index("--dtype") + 1] == "float16"          # SGLang's own flag: passed on (it was dropped)
+
+
+def test_the_builtin_server_limits_and_pool_are_resolved_with_the_settings(folders):
+    """resolve_settings decides the server's limits and its context drafter's pool with everything else (nothing
+    downstream applies a default), and the settings it returns cannot be changed afterwards."""
+    import dataclasses
+
+    from sglang_eagle3.engine import settings as S
+    plain = S.resolve_settings(folders["draft"], server=True)
+    assert (plain.max_running, plain.max_queue, plain.max_len, plain.drafting.pool_tokens) == \
+        (S.MAX_RUNNING, S.MAX_QUEUE, None, 0)
+    hybrid = S.resolve_settings(folders["draft"], drafter="hybrid", server=True, max_running=4, max_len=256)
+    assert (hybrid.max_running, hybrid.max_len, hybrid.drafting.pool_tokens) == (4, 256, S.POOL_TOKENS)
+    assert S.resolve_settings(folders["draft"], drafter="hybrid").drafting.pool_tokens == 0     # one batch: no pool
+    assert S.resolve_settings(folders["draft"], drafter="hybrid", server=True, pool_tokens=0).drafting.pool_tokens == 0
+    assert [plain.slots_per_request(n) for n in (512, 10 ** 6, None)] == [512, S.MAX_LEN_CAP, S.MAX_LEN_CAP]
+    assert hybrid.slots_per_request(128) == 128 and hybrid.slots_per_request(512) == 256
+    for frozen, field in ((hybrid, "max_len"), (hybrid.drafting, "pool_tokens"), (hybrid.tree, "topk")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(frozen, field, 1)
 
 
 def test_the_sglang_launch_resolves_the_settings_for_a_gpu(capsys, folders, monkeypatch, tmp_path):

@@ -65,8 +65,8 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(folders):
     target, draft = folders
-    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=4, max_queue=64, max_len=256,
-                                 model_name="tiny"))
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test", max_running=4, max_queue=64,
+                                 max_len=256), model_name="tiny"))
     yield srv
     srv.close()
 
@@ -82,7 +82,7 @@ def chat(p):
 
 def offline(folders, prompts, max_new_tokens):
     target, draft = folders
-    eng = load_engine(target, "none", SPEC, "float32")
+    eng = load_engine(target, Settings("float32"))
     outs, _ = eng.generate([chat(p) for p in prompts], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     return [o.text for o in outs]
 
@@ -135,10 +135,10 @@ def test_completions_take_token_ids_as_they_are(live, folders):
     """A list of token ids reaches the model unchanged: not decoded and tokenized again (which here would drop the
     newline token, as the word-level tokenizer splits on whitespace); an id outside the vocabulary is refused."""
     target, _ = folders
-    tok = load_engine(target, "none", SPEC, "float32").tokenizer
+    tok = load_engine(target, Settings("float32")).tokenizer
     ids = [tok.convert_tokens_to_ids(t) for t in ["w4", "\n", "w9", "w1"]]
     assert len(tok(tok.decode(ids), add_special_tokens=True)["input_ids"]) != len(ids)   # the round trip loses it
-    eng = load_engine(target, "none", SPEC, "float32")
+    eng = load_engine(target, Settings("float32"))
     expect = eng.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))[0][0].text
     r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 8,
                                                       "temperature": 0, "ignore_eos": True, "echo": True}, timeout=60)
@@ -316,7 +316,7 @@ def test_logprobs_chat_and_completions_streamed_or_not(live, folders):
     """The target's log-probs of each token (vanilla offline = speculative server), the same streamed in pieces."""
     c = client(live)
     target, _ = folders
-    outs, _ = load_engine(target, "none", SPEC, "float32").generate(
+    outs, _ = load_engine(target, Settings("float32")).generate(
         [chat(PROMPTS[2])], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3))
     want = outs[0].logprobs
     kw = dict(model="tiny", messages=chat(PROMPTS[2]), max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
@@ -371,8 +371,8 @@ def test_n_choices_streamed_or_not(live):
 
 def test_full_queue_answers_503_with_retry_after(folders):
     target, draft = folders
-    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=1, max_queue=1, max_len=256,
-                                 model_name="tiny"))
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test", max_running=1, max_queue=1,
+                                 max_len=256), model_name="tiny"))
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=60) as c:
@@ -391,8 +391,8 @@ def test_full_queue_answers_503_with_retry_after(folders):
 def test_n_choices_are_queued_all_or_none(folders):
     """A response whose choices do not all fit the queue is refused whole (503) and the queued ones cancelled."""
     target, draft = folders
-    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=1, max_queue=1, max_len=256,
-                                 model_name="tiny"))
+    srv = LiveServer(build_state(target, Settings("float32", draft, SPEC, None, "test", max_running=1, max_queue=1,
+                                 max_len=256), model_name="tiny"))
     try:
         body = {"model": "tiny", "messages": chat("w1 w2"), "max_tokens": 100, "ignore_eos": True, "n": 4}
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
@@ -468,8 +468,8 @@ def test_stopping_the_server_answers_requests_in_flight_and_logs_no_traceback(fo
 
     from sglang_eagle3.serving.server import make_server
     target, draft = folders
-    state = build_state(target, Settings("float32", draft, SPEC, None, "test"), max_running=4, max_queue=64,
-                        max_len=256, model_name="tiny")
+    state = build_state(target, Settings("float32", draft, SPEC, None, "test", max_running=4, max_queue=64, max_len=256),
+                        model_name="tiny")
     slow_steps(monkeypatch, state.scheduler)
     port = free_port()
     server = make_server(state, "127.0.0.1", port, "info", grace_s=0.5)
@@ -555,7 +555,8 @@ def test_max_body_mb_sets_the_limit(folders, capsys):
     target, _ = folders
     assert eagle3_main(["serve", "--engine", "builtin", "--target", target, "--max-body-mb", "0", "--dry-run"]) == 2
     assert "--max-body-mb must be > 0, got 0" in capsys.readouterr().err
-    state = build_state(target, Settings("float32", None, None, None, "test"), 2, 8, 64, "tiny", max_body_mb=0.001)
+    state = build_state(target, Settings("float32", None, None, None, "test", max_running=2, max_queue=8, max_len=64),
+                        "tiny", max_body_mb=0.001)
     with TestClient(create_app(state)) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "w1 " * 1000, "max_tokens": 2})
         assert r.status_code == 413 and "limit of 1049 bytes (0.001 MiB" in r.json()["error"]["message"], r.text
@@ -695,12 +696,13 @@ def test_hybrid_server_matches_vanilla_and_pools_recent_requests(folders):
     target, draft = folders
     loop = "w3 w4 w5 w6 w3 w4 w5 w6 w3 w4"
     prompts = [loop, *PROMPTS[:3]]
-    van = load_engine(target, "none", SPEC, "float32")
+    van = load_engine(target, Settings("float32"))
     want = [van.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in
             van.generate([[{"role": "user", "content": p}] for p in prompts],
                          SamplingParams(max_new_tokens=12, ignore_eos=True), batch_size=1)[0]]
-    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", pool_tokens=4096))
-    srv = LiveServer(build_state(target, settings, max_running=4, max_queue=64, max_len=256, model_name="tiny"))
+    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", pool_tokens=4096),
+                        max_running=4, max_queue=64, max_len=256)
+    srv = LiveServer(build_state(target, settings, model_name="tiny"))
     try:
         def ask(p):
             r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
@@ -723,14 +725,15 @@ def test_a_server_started_on_an_all_zero_step_cost_cache_answers_chat(folders, t
     from sglang_eagle3.engine.speculation import Drafting
     target, draft = folders
     fake_step_costs(monkeypatch, tmp_path)
-    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", "auto", max_nodes=8))
-    build_state(target, settings, max_running=2, max_queue=8, max_len=256, model_name="tiny")      # measured, cached
+    settings = Settings("float32", draft, SPEC, None, "test", drafting=Drafting("hybrid", "auto", max_nodes=8),
+                        max_running=2, max_queue=8, max_len=256)
+    build_state(target, settings, model_name="tiny")      # measured, cached
     (file,) = (tmp_path / "step_costs").iterdir()
     costs = json.loads(file.read_text())
     costs["verify"] = {b: {t: 0.0 for t in row} for b, row in costs["verify"].items()}
     file.write_text(json.dumps(costs))
     capsys.readouterr()
-    srv = LiveServer(build_state(target, settings, max_running=2, max_queue=8, max_len=256, model_name="tiny"))
+    srv = LiveServer(build_state(target, settings, model_name="tiny"))
     try:
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "w3 w4 w3 w4"}], "max_tokens": 6})

@@ -233,9 +233,9 @@ def test_cli_with_in_process_engine(tmp_path, chats, capsys):
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]   # 3 turns, capped at 2
     # the answers are the target's own greedy continuations of the regenerated history
     from sglang_eagle3.engine.loader import load_engine
-    from sglang_eagle3.engine.speculation import SpecConfig
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.verify import SamplingParams
-    engine = load_engine(target, "none", SpecConfig())
+    engine = load_engine(target, Settings())
     outs, _ = engine.generate([msgs[:1], msgs[:3]], SamplingParams(max_new_tokens=3))
     assert [o.text for o in outs] == [msgs[1]["content"], msgs[3]["content"]]
 
@@ -316,7 +316,7 @@ def test_every_flag_is_checked_before_the_model_loads(tmp_path, chats, capsys, m
     import sglang_eagle3.engine.loader as loader
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
-    monkeypatch.setattr(loader, "engine_from_settings", lambda *a, **k: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: pytest.fail("the model loaded first"))
     capsys.readouterr()
     out = tmp_path / "r.jsonl"
     common = ["regenerate", chats, "--out", str(out), "--quiet"]
@@ -348,7 +348,7 @@ def test_an_output_over_its_own_input_is_refused(tmp_path, chats, capsys, monkey
     import sglang_eagle3.engine.loader as loader
     from sglang_eagle3.cli import main
     target = save_tiny_model_folder(tmp_path / "target")
-    monkeypatch.setattr(loader, "engine_from_settings", lambda *a, **k: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: pytest.fail("the model loaded first"))
     before = open(chats).read()
     capsys.readouterr()
     assert main(["regenerate", chats, "--target", target, "--out", chats, "--overwrite", "--quiet"]) == 2

@@ -225,8 +225,9 @@ def test_engine_takes_token_ids_as_they_are():
     from conftest import tiny_target
 
     from sglang_eagle3.engine.engine import SpeculativeEngine
+    from sglang_eagle3.engine.settings import Settings
     from sglang_eagle3.engine.verify import SamplingParams
-    eng = SpeculativeEngine(tiny_target()[0])
+    eng = SpeculativeEngine(tiny_target()[0], None, Settings())
     assert eng.encode([5, 7, 9]) == [5, 7, 9]
     a, _ = eng.generate([[5, 7, 9]], SamplingParams(max_new_tokens=4))
     assert a[0].token_ids and a[0].prompt == [5, 7, 9]
