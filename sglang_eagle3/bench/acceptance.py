@@ -294,7 +294,8 @@ def run(argv=None) -> int:
         raise UserError(f"{str(e).replace('top_p', '--top-p')}") from None
     if columns is not None:
         from sglang_eagle3.bench.drafters import run_drafters
-        resolved = [(name, column_settings(a, draft, drafter, tree)) for name, drafter, tree in columns]
+        resolved = [(name, column_settings(a, draft, drafter, tree, children)) for name, drafter, tree, children
+                    in columns]
         a.argv = list(sys.argv[1:] if argv is None else argv)
         return run_drafters(a, sets, resolve_target(a.target), draft, resolved)
     # batch 1: one prompt at a time; the draft model's tree (--drafters compares the others)
@@ -402,26 +403,27 @@ def bench_draft(a, columns):
     if columns is None:
         raise UserError(f"this benchmark measures a draft against vanilla decoding, but there is no draft ({why}): "
                         "pass --draft D (`eagle3 init-draft --out D` writes a random one)")
-    needs = [name for name, drafter, _ in columns if drafter != "suffix"]
+    needs = [name for name, drafter, *_ in columns if drafter != "suffix"]
     if needs:
         raise UserError(f"--drafters {a.drafters}: {needs[0]} drafts with a draft model, but there is no draft "
                         f"({why}): pass --draft D, or leave it out")
     return None
 
 
-def column_settings(a, draft, drafter: str, tree: str):
-    """One --drafters column's settings: the shared flags, its drafter and tree; the context drafter (suffix) reads
-    no draft, profile or tree shape (with -auto, --num-draft-tokens is still the most a step verifies)."""
+def column_settings(a, draft, drafter: str, tree: str, children: str = "sampled"):
+    """One --drafters column's settings: the shared flags, its drafter, tree and draft children; the context drafter
+    (suffix) reads no draft, profile or tree shape (with -auto, --num-draft-tokens is still the most a step
+    verifies)."""
     from sglang_eagle3.engine.settings import settings_from_args
     from sglang_eagle3.errors import UserError
-    flags = {"drafter": drafter, "tree": tree}
+    flags = {"drafter": drafter, "tree": tree, "draft_children": children}
     if drafter == "suffix":
         flags.update(num_steps=None, topk=None, profile=None, **({} if tree == "auto" else {"num_draft_tokens": None}))
     try:
         return settings_from_args(argparse.Namespace(**{**vars(a), **flags}), "none" if drafter == "suffix" else draft,
                                   temperature=a.temperature)
     except UserError as e:
-        raise UserError(f"--drafters {drafter}{'-auto' if tree == 'auto' else ''}: {e}") from None
+        raise UserError(f"--drafters {drafter}{'-auto' if tree == 'auto' else ''}:{children}: {e}") from None
 
 
 def check_baseline(path: str, draft: str) -> None:

@@ -35,9 +35,10 @@ def turn_seed(seed: int, set_index: int, prompt_index: int, turn: int) -> int:
     return (seed * 1_000_003 + set_index * 10_007 + prompt_index * 101 + turn) % (2 ** 62)
 
 
-def parse_drafters(text: str) -> list[tuple[str, str, str]]:
-    """'eagle,hybrid-auto' -> [(column, drafter, tree)]."""
-    from sglang_eagle3.engine.speculation import DRAFTERS
+def parse_drafters(text: str) -> list[tuple[str, str, str, str]]:
+    """'eagle,hybrid-auto,eagle:top-k' -> [(column, drafter, tree, draft children)]; a column's `:top-k` picks the
+    draft's children as the EAGLE authors do at temperature > 0 (default: sampled)."""
+    from sglang_eagle3.engine.speculation import DRAFT_CHILDREN, DRAFTERS
     from sglang_eagle3.errors import UserError
     out = []
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -45,12 +46,13 @@ def parse_drafters(text: str) -> list[tuple[str, str, str]]:
         raise UserError(f"--drafters {text!r}: name at least one drafter ({', '.join(DRAFTERS)}, each optionally "
                         "-auto)")
     for name in names:
-        drafter, _, tree = name.partition("-")
-        if drafter not in DRAFTERS or tree not in ("", "auto"):
-            raise UserError(f"--drafters {name}: expected DRAFTER or DRAFTER-auto with DRAFTER one of "
-                            f"{', '.join(DRAFTERS)}")
-        out.append((name, drafter, tree or "profile"))
-    if len({c for c, _, _ in out}) != len(out):
+        column, _, children = name.partition(":")
+        drafter, _, tree = column.partition("-")
+        if drafter not in DRAFTERS or tree not in ("", "auto") or children not in ("", *DRAFT_CHILDREN):
+            raise UserError(f"--drafters {name}: expected DRAFTER or DRAFTER-auto, optionally :top-k or :sampled, "
+                            f"with DRAFTER one of {', '.join(DRAFTERS)}")
+        out.append((name, drafter, tree or "profile", children or "sampled"))
+    if len({c for c, *_ in out}) != len(out):
         raise UserError(f"--drafters {text!r}: name each drafter once")
     return out
 

@@ -303,9 +303,9 @@ def run(argv=None) -> int:
             started.append(van)
             draft_args = (["--draft", a.draft] if a.draft else []) + (["--profile", a.profile] if a.profile else [])
             servers = [{"name": "vanilla", "url": van.url}]
-            columns = parse_drafters(a.drafters) if a.drafters else [("EAGLE-3", None, None)]
-            for name, drafter, tree in columns:
-                how = ["--drafter", drafter, "--tree", tree] if drafter else []
+            columns = parse_drafters(a.drafters) if a.drafters else [("EAGLE-3", None, None, None)]
+            for name, drafter, tree, children in columns:
+                how = ["--drafter", drafter, "--tree", tree, "--draft-children", children] if drafter else []
                 # the context drafter reads no draft and no profile (serve refuses them beside --drafter suffix)
                 uses = [] if drafter == "suffix" else draft_args
                 srv = LocalServer([*common, *uses, *how], report.sibling(a.out, f".{name}.log"))

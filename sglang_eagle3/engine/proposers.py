@@ -15,6 +15,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch.profiler import record_function
 
+from sglang_eagle3.engine.sampled_tree import DraftSampler
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.tree import Candidates, DraftTree, draft_candidates, pool_attend
 from sglang_eagle3.engine.verify import Acceptance, SamplingParams, TokenLogprob
@@ -70,9 +71,9 @@ class DraftProposer:
     """The EAGLE-3 draft: its candidates from its state at each row's root, and its pairs held until they are
     needed. State in fixed-size tensors indexed by pool row."""
 
-    def __init__(self, draft, target, num_rows: int, max_len: int, tree_slots: int):
+    def __init__(self, draft, target, num_rows: int, max_len: int, tree_slots: int, sampled_children: bool = True):
         c, dev, dtype = draft.config, target.device, target.dtype
-        self.draft = draft
+        self.draft, self.sampled_children = draft, sampled_children
         self.dpool = KVPool(1, num_rows, c.num_key_value_heads, max_len + tree_slots + 2, c.head_dim, dtype, dev)
         self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
         self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
@@ -83,6 +84,9 @@ class DraftProposer:
         self.pend_ids = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
         self.pend_pos = torch.zeros(num_rows, PENDING_MAX, dtype=torch.long, device=dev)
         self.pend_count = [0] * num_rows     # pairs held per row, on the host (the step syncs its counts anyway)
+        self.draft_targets = torch.arange(c.draft_vocab_size, device=dev) + draft.d2t.to(dev)   # [Vd] target ids
+        self.to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=dev)       # [V] draft id, -1
+        self.to_draft[self.draft_targets] = torch.arange(c.draft_vocab_size, device=dev)
 
     def nbytes(self) -> int:
         return self.dpool.nbytes()
@@ -95,13 +99,29 @@ class DraftProposer:
         self.pend_count[row] = 0
         self._extend(rows, input_ids, aux, positions, torch.tensor([input_ids.shape[1]], device=dev))
 
-    def propose(self, batch: StepBatch) -> Candidates:
-        """EAGLE-2's candidates for each row, from the draft's state after the row's held pairs."""
+    def propose(self, batch: StepBatch, beside: Optional[Candidates] = None) -> Candidates:
+        """EAGLE-2's candidates for each row, from the draft's state after the row's held pairs. Sampled rows draw
+        their children (sampled_tree.DraftSampler), the root's never among the tokens `beside` proposes there (the
+        context's, tried first by the verify)."""
         with record_function("eagle3::draft_extend"):
             self.catch_up(batch.rows)
+        sampler = None
+        if self.sampled_children and not all(batch.greedy):
+            slots = 1 + (batch.spec.num_steps - 1) * batch.spec.topk               # the root and the forwarded nodes
+            sampler = DraftSampler(batch.params, batch.generators, slots, self.root_children(beside))
         with record_function("eagle3::draft_tree"):
             return draft_candidates(self.draft, self.dpool, batch.index, self.d_hidden[batch.index],
-                                    self.d_logits[batch.index], batch.roots, batch.root_pos, batch.spec)
+                                    self.d_logits[batch.index], batch.roots, batch.root_pos, batch.spec,
+                                    sampler=sampler)
+
+    def root_children(self, cands: Optional[Candidates]) -> list[list[int]]:
+        """Per row, the draft ids of the real candidates cands holds right below the root (none outside the draft
+        vocabulary)."""
+        if cands is None:
+            return []
+        at_root = torch.isfinite(cands.scores) & (cands.parents < 0)
+        ids = torch.where(at_root, self.to_draft[cands.tokens], -1).tolist()
+        return [[i for i in row if i >= 0] for row in ids]
 
     def commit(self, batch: StepBatch, verified: VerifyOutput) -> None:
         """Hold each row's accepted pairs for its next extend."""

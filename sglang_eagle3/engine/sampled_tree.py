@@ -23,11 +23,13 @@ score) favours tokens the draft likes, and the output is no longer p.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from sglang_eagle3.engine.verify import children_of, sample_categorical
+from sglang_eagle3.kernels import decode as K
 
 
 def gumbel_top_k(log_q: torch.Tensor, k: int,
@@ -37,8 +39,9 @@ def gumbel_top_k(log_q: torch.Tensor, k: int,
     tokens have a finite log_q, the missing draws are token -1 with key -inf."""
     if not 0 < k <= log_q.shape[-1]:
         raise ValueError(f"k must be in [1, {log_q.shape[-1]}], got {k}")
-    e = torch.empty(log_q.shape, dtype=torch.float64, device=log_q.device).exponential_(generator=generator)
-    gumbel = -e.clamp_(min=torch.finfo(torch.float64).tiny).log_()             # -log Exp(1) is Gumbel(0, 1)
+    u = torch.rand(log_q.shape, dtype=torch.float64, device=log_q.device, generator=generator)
+    e = u.clamp_(min=torch.finfo(torch.float64).tiny).log_().neg_()            # -log U is Exp(1) (faster than
+    gumbel = e.clamp_(min=torch.finfo(torch.float64).tiny).log_().neg_()       # exponential_); -log Exp(1) Gumbel
     keys, tokens = (log_q.double() + gumbel).topk(k, dim=-1)                    # [..., k] largest first
     return tokens.masked_fill(keys == float("-inf"), -1), keys
 
@@ -180,3 +183,83 @@ def acceptance_chances(p: torch.Tensor, q: torch.Tensor, deterministic: Sequence
         draft[rows, x] = 0.0
         draft = draft / draft.sum(-1, keepdim=True)
     return torch.cat([fixed, torch.stack(chances)])
+
+
+# ---- the step's side: drawing a batch's children, handing their q to the verify ---------------------------------
+class DraftSampler:
+    """A step's draft children, level by level (tree.draft_candidates calls `children`). A sampled row draws its
+    children from q, the draft's distribution at the row's temperature, top-k and top-p (over the draft vocabulary),
+    without replacement; a greedy row keeps EAGLE-2's k likeliest. Each child's score is its parent's plus the log
+    of the rank-th largest q: a function of the parent and the child's rank, never of the token drawn, so a tree
+    that keeps the best-scoring nodes keeps a prefix of each node's draws (and the shape EAGLE-2 would give the
+    same parents). Every q a sampled row draws from is kept for the verify (slot s of `probs`)."""
+
+    def __init__(self, params: Sequence, generators: Sequence, num_slots: int, excluded: Sequence[Sequence[int]] = ()):
+        self.params, self.generators = list(params), list(generators)
+        self.sampled = [not p.greedy for p in params]
+        self.num_slots, self.excluded = num_slots, list(excluded)
+        self.probs: Optional[torch.Tensor] = None             # [B, num_slots, Vd] q at each expanded node
+        self.used = 0
+
+    def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """logits [B, M, Vd] of M expanded nodes per row -> each node's k children: scores [B, M, k] (log of the
+        rank's q, larger first), draft ids [B, M, k] and the q slot each was drawn from [B, M, k] (-1: a greedy
+        row's, not drawn). On the first call (the root) a row's `excluded` draft ids are never drawn: the root's
+        deterministic children, which the verify tries first."""
+        B, M, Vd = logits.shape
+        if self.probs is None:
+            self.probs = torch.zeros(B, self.num_slots, Vd, dtype=torch.float32, device=logits.device)
+        first, slots = self.used == 0, torch.arange(self.used, self.used + M, device=logits.device)
+        if self.used + M > self.num_slots:
+            raise ValueError(f"{self.used + M} expanded nodes per row, room for {self.num_slots}")
+        scores, ids = K.topk_logprobs(logits, k)                                   # greedy rows' children
+        drawn_from = torch.full((B, M, k), -1, dtype=torch.long, device=logits.device)
+        for b in (b for b, s in enumerate(self.sampled) if s):
+            p = self.params[b]
+            q = K.sampling_probs(logits[b], p.temperature, p.top_k, p.top_p)       # [M, Vd]
+            if first and b < len(self.excluded) and len(self.excluded[b]):
+                q[:, list(self.excluded[b])] = 0.0
+                q = q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+            self.probs[b, slots] = q
+            log_q = q.log()
+            scores[b] = log_q.topk(k, dim=-1).values                               # [M, k] by rank
+            drawn, _ = gumbel_top_k(log_q, k, self.generators[b])                  # [M, k] in draw order
+            ids[b] = drawn.clamp(min=0)                                            # (-1: no draw, score -inf)
+            drawn_from[b] = slots.view(M, 1)
+        self.used += M
+        return scores, ids, drawn_from
+
+
+class NodeDraftProbs:
+    """q at the nodes of one row's tree that have sampled children, in the target's vocabulary (float64), built
+    when the walk first needs it (verify_sampled_tree's `draft`)."""
+
+    def __init__(self, probs: torch.Tensor, parents: Sequence[int], drawn_from: Sequence[int],
+                 draft_targets: torch.Tensor, vocab_size: int):
+        """probs [S, Vd]: the row's q slots; parents, drawn_from [N]: each node's parent and q slot (-1: not drawn);
+        draft_targets [Vd]: the target id of each draft id."""
+        self.probs, self.targets, self.vocab_size = probs, draft_targets, vocab_size
+        self.slot_of = {int(parent): int(s) for parent, s in zip(parents, drawn_from) if s >= 0}   # node -> slot
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self.rows:
+            q = torch.zeros(self.vocab_size, dtype=torch.float64, device=self.probs.device)
+            q[self.targets] = self.probs[self.slot_of[node]].double()
+            self.rows[node] = q
+        return self.rows[node]
+
+
+@dataclass
+class SampledDraws:
+    """What the verify needs of a step's sampled children: per tree node the q slot it was drawn from, the q."""
+    drawn_from: torch.Tensor       # [B, N] per tree node (-1: the root, a greedy row's node or a context proposal)
+    probs: torch.Tensor            # [B, S, Vd] q per slot
+    draft_targets: torch.Tensor    # [Vd] the target id of each draft id
+
+    def row(self, b: int, parents: Sequence[int], vocab_size: int) -> Optional[tuple[list[bool], NodeDraftProbs]]:
+        """Row b's sampled flags [N] and its q per node; None where the row has no sampled node."""
+        drawn = self.drawn_from[b].tolist()
+        if max(drawn) < 0:
+            return None
+        return [d >= 0 for d in drawn], NodeDraftProbs(self.probs[b], parents, drawn, self.draft_targets, vocab_size)

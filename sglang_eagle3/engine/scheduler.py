@@ -157,7 +157,8 @@ class Scheduler:
         self.profile = settings.profile if draft is not None else None
         self.tree_slots = tree_slots(settings, draft is not None)
         draft_slots = max((t.draft_slots for t in settings.trees(draft is not None)), default=0)
-        self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots)
+        self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots,
+                                 sampled_children=drafting.children == "sampled")
         learnt = learnt or Learnt()
         self.context = learnt.context
         if self.context is None and drafting.uses_context:

@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from sglang_eagle3.engine.profile import SpecProfile, draft_profile_path, host_kind
-from sglang_eagle3.engine.speculation import DRAFTERS, MAX_NODES, TREE_SIZING, Drafting, SpecConfig
+from sglang_eagle3.engine.speculation import DRAFT_CHILDREN, DRAFTERS, MAX_NODES, TREE_SIZING, Drafting, SpecConfig
 from sglang_eagle3.errors import UserError, check_at_least
 from sglang_eagle3.kernels import extension
 from sglang_eagle3.models.config import ConfigError
@@ -165,7 +165,8 @@ def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dty
                      temperature: float = 0.0, device: str = "cpu", drafter: Optional[str] = None,
                      tree: Optional[str] = None, target: Optional[str] = None, server: bool = False,
                      max_running: Optional[int] = None, max_queue: Optional[int] = None,
-                     max_len: Optional[int] = None, pool_tokens: Optional[int] = None) -> Settings:
+                     max_len: Optional[int] = None, pool_tokens: Optional[int] = None,
+                     draft_children: str = "sampled") -> Settings:
     """The one place that decides what a run decodes with (see the module docstring for the rules). target: the
     --target as given ('testbed': the embedded one), which a profile that names its own target must match. server:
     the builtin server's run, whose limits and pool are the flags given (None: not given, the default)."""
@@ -178,6 +179,11 @@ def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dty
     dtype = resolve_dtype(dtype, device)
     found = _resolve_tree(draft, embedded_target, explicit, profile, batch_size, temperature, device, drafter, target)
     drafting = resolve_drafting(found.draft, drafter, tree, explicit, found.table)
+    if draft_children != drafting.children:
+        try:
+            drafting = replace(drafting, children=draft_children)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
     if server:
         drafting = replace(drafting, pool_tokens=server_pool(pool_tokens, drafting, found.draft is not None))
     limits = {"max_running": MAX_RUNNING if max_running is None else max_running,
@@ -363,12 +369,21 @@ def add_spec_args(p: argparse.ArgumentParser, profile: bool = True) -> None:
     g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
                    help="profile: the fixed tree per batch size; auto: each step the size that maximises expected "
                         "tokens per second on this machine (costs measured once per machine, then cached)")
+    add_children_arg(g)
     if profile:
         g.add_argument("--profile", default=None,
                        help="speculation profile JSON (bench/tune_spec.py); default: the draft folder's "
                             "spec_profile.json, its table for this kind of host")
     else:
         p.set_defaults(profile=None)
+
+
+def add_children_arg(g) -> None:
+    g.add_argument("--draft-children", choices=list(DRAFT_CHILDREN), default="sampled",
+                   help="at temperature > 0: sampled (default) draws the draft's children from its distribution and "
+                        "verifies them by recursive rejection sampling; top-k takes its likeliest tokens and accepts "
+                        "each with the target's probability (the EAGLE authors' scheme). Both keep the target's "
+                        "distribution exactly; greedy decoding is the same either way")
 
 
 def fixed_tree(num_steps: Optional[int] = None, topk: Optional[int] = None,
@@ -410,4 +425,5 @@ def settings_from_args(args, draft: Optional[str], *, batch_size: int = 1, tempe
     return resolve_settings(
         draft, embedded_target=is_embedded(args), target=args.target, dtype=args.dtype, num_steps=args.num_steps,
         topk=args.topk, num_draft_tokens=args.num_draft_tokens, profile=args.profile, drafter=args.drafter,
-        tree=args.tree, batch_size=batch_size, temperature=temperature, device=device, **limits)
+        tree=args.tree, batch_size=batch_size, temperature=temperature, device=device,
+        draft_children=args.draft_children, **limits)

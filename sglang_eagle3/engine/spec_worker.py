@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from sglang_eagle3.engine.cost_model import TreePlanner
 from sglang_eagle3.engine.proposers import DraftProposer, Proposer, StepBatch, VerifyOutput
+from sglang_eagle3.engine.sampled_tree import SampledDraws, verify_sampled_tree
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.step_record import StepClock, StepRecord, StepTimes
 from sglang_eagle3.engine.threads import governor
@@ -33,6 +34,7 @@ from sglang_eagle3.engine.tree import (
     Candidates,
     DraftTree,
     build_draft_tree,
+    chosen_candidates,
     merge_candidates,
     root_only_tree,
     sorted_scores,
@@ -75,6 +77,7 @@ class StepPlan:
     tree: DraftTree
     from_context: Optional[torch.Tensor]   # [B, N] bool: the context alone proposed the node (None: no such node)
     drafted: bool
+    draws: Optional[SampledDraws] = None   # the sampled children's q (None: no row sampled its children)
 
 
 @dataclass
@@ -91,7 +94,9 @@ class StepResult:
 
 class SpecWorker:
     def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, sampled_children: bool = True):
+        """sampled_children: sampling rows draw the draft's children and verify them by recursive rejection sampling
+        (else the draft's top-k, each accepted with the target's p)."""
         self.target = target
         dev = target.device
         self.num_rows, self.max_len = num_rows, max_len
@@ -104,7 +109,8 @@ class SpecWorker:
             self.graphs = CudaGraphRunner(target, self.tpool, spare_row=num_rows, want_aux=draft is not None)
         self.roots = torch.zeros(num_rows, dtype=torch.long, device=dev)        # last verified token per row
         self.root_pos = torch.zeros(num_rows, dtype=torch.long, device=dev)     # its position
-        self.drafter = DraftProposer(draft, target, num_rows, max_len, draft_tree_slots) if draft is not None else None
+        self.drafter = DraftProposer(draft, target, num_rows, max_len, draft_tree_slots, sampled_children) \
+            if draft is not None else None
 
     def nbytes(self) -> int:
         return self.tpool.nbytes() + (self.drafter.nbytes() if self.drafter is not None else 0)
@@ -154,7 +160,7 @@ class SpecWorker:
         clock.mark("verify")
         out = self.forward(batch, plan.tree)                        # the target over every row's tree
         clock.mark("forward")
-        verified = self.verify(batch, plan.tree, out)               # accepted paths, their KV kept, the roots moved
+        verified = self.verify(batch, plan, out)                    # accepted paths, their KV kept, the roots moved
         clock.mark("verified")
         self.commit(batch, verified, context_proposer)              # the draft holds its pairs, the context learns
         record = self.record(batch, plan, verified, clock)
@@ -177,7 +183,7 @@ class SpecWorker:
         if not self.drafts(batch, alone, planner):
             return Proposal(alone, with_context=alone is not None)
         t0 = time.perf_counter()
-        cands = self.drafter.propose(batch)
+        cands = self.drafter.propose(batch, beside=alone)
         cands = cands if alone is None else merge_candidates(cands, alone)
         return Proposal(cands, True, time.perf_counter() - t0, with_context=alone is not None)
 
@@ -195,9 +201,19 @@ class SpecWorker:
         if size <= 1:
             return StepPlan(root_only_tree(batch.roots, batch.root_pos), None, proposal.drafted)
         if proposal.with_context:              # the tree tells the context's nodes apart
-            return StepPlan(*tree_of(cands, batch.roots, batch.root_pos, size), proposal.drafted)
-        tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size)
-        return StepPlan(tree, None, proposal.drafted)
+            tree, from_context = tree_of(cands, batch.roots, batch.root_pos, size)
+        else:
+            tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size)
+            from_context = None
+        return StepPlan(tree, from_context, proposal.drafted, self.draws(cands, size))
+
+    def draws(self, cands: Candidates, size: int) -> Optional[SampledDraws]:
+        """Where rows sampled their children: the q slot of each tree node and the q, for the verify."""
+        if cands.drawn_from is None:
+            return None
+        drawn = torch.gather(cands.drawn_from, 1, chosen_candidates(cands, size))              # [B, size - 1]
+        drawn = torch.cat([torch.full_like(drawn[:, :1], -1), drawn], 1)
+        return SampledDraws(drawn, cands.draft_q, self.drafter.draft_targets)
 
     def tree_size(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> int:
         """Nodes per row to verify, the root included (1: the root alone). The planner's choice under --tree auto;
@@ -220,11 +236,12 @@ class SpecWorker:
             return out if out is not None else self.target(self.tpool, tree.tokens, tree.positions, rows=batch.index,
                                                            tree_mask=tree.mask, want_aux=self.drafter is not None)
 
-    def verify(self, batch: StepBatch, tree: DraftTree, out: TargetOutput) -> VerifyOutput:
+    def verify(self, batch: StepBatch, plan: StepPlan, out: TargetOutput) -> VerifyOutput:
         """Each row's accepted path (accept), its KV slots kept, its last token the row's next root; the log-probs of
         the emitted tokens for rows that ask for them."""
+        tree = plan.tree
         with record_function("eagle3::accept"):
-            acc = accept(tree, out.logits, batch.params, batch.generators)
+            acc = accept(tree, out.logits, batch.params, batch.generators, plan.draws)
             counts, emitted = acc.count.tolist(), acc.emitted.tolist()                 # the step's one sync
         path = acc.path[:, :max(counts)]
         with record_function("eagle3::kv_commit"):
@@ -278,9 +295,23 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def accept_sampled_row(tokens: torch.Tensor, parents: torch.Tensor, drawn: torch.Tensor, logits: torch.Tensor,
+                       params: SamplingParams, draws: SampledDraws, b: int,
+                       generator: Optional[torch.Generator]) -> tuple[list[int], int]:
+    """Row b of a tree with sampled children ([N] each; logits [N, V]), verified by recursive rejection sampling:
+    csrc's walk where it runs, else sampled_tree's."""
+    if sampling_in_extension(logits):
+        u = torch.rand(tokens.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
+        return K.accept_sampled_tree(tokens, parents, drawn, logits, params.temperature, params.top_k, params.top_p,
+                                     draws.probs[b], draws.draft_targets, u)
+    flags, draft = draws.row(b, parents.tolist(), logits.shape[-1])
+    return verify_sampled_tree(tokens.tolist(), parents.tolist(), flags, NodeProbs(logits, params), draft, generator)
+
+
 def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[Optional[torch.Generator]]) -> Acceptance:
-    """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling)."""
+           generators: list[Optional[torch.Generator]], draws: Optional[SampledDraws] = None) -> Acceptance:
+    """Greedy rows as one tensor walk; sampling rows one by one (lossless tree speculative sampling: recursive
+    rejection sampling where the row's children were drawn, sampled_tree.verify_sampled_tree)."""
     if all(p.greedy for p in params):
         return accept_greedy_logits(tree.tokens, tree.parents, tree.mask, logits)
     if tree.num_nodes == 1:                       # no draft: every row emits one token, sampled rows together
@@ -296,7 +327,10 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
             paths.append(greedy.path[b, :n].tolist())
             emitted.append(greedy.emitted[b, :n].tolist())
             continue
-        if sampling_in_extension(logits):         # one exp pass per visited node, no probability tensor
+        drawn = draws.drawn_from[b] if draws is not None else None
+        if drawn is not None and bool((drawn >= 0).any()):
+            nodes, bonus = accept_sampled_row(tree.tokens[b], tree.parents[b], drawn, logits[b], p, draws, b, g)
+        elif sampling_in_extension(logits):       # one exp pass per visited node, no probability tensor
             nodes, bonus = accept_sampling_row(tree.tokens[b], tree.parents[b], logits[b], p, g)
         else:
             tokens = tree.tokens[b].tolist()

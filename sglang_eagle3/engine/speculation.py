@@ -47,6 +47,7 @@ class SpecConfig:
 
 
 DRAFTERS = ("eagle", "suffix", "hybrid")
+DRAFT_CHILDREN = ("sampled", "top-k")    # how a sampling request's draft children are picked (Drafting.children)
 TREE_SIZING = ("profile", "auto")
 MAX_NODES = 128                  # the largest per-step tree (--tree auto); cost_model times verifies up to 128 tokens
 DRAFTING_COUNTS = ("max_nodes", "context_tokens", "context_branches", "min_match")
@@ -85,11 +86,16 @@ class Drafting:
     context_branches: int = 2        # distinct continuations proposed per step (where earlier text disagrees)
     min_match: int = 2               # shortest suffix match that proposes
     pool_tokens: int = 0             # tokens of recent requests searched too (the server; 0: none)
+    children: str = "sampled"        # at temperature > 0: the draft's children drawn from its distribution and
+                                     # verified by recursive rejection sampling (sampled_tree.py), or its top-k
+                                     # accepted with the target's p (top-k: the EAGLE authors' scheme)
 
     def __post_init__(self):
         fields = {"drafter": self.drafter, "tree": self.tree}
         fields.update({name: getattr(self, name) for name in DRAFTING_COUNTS})
         check_drafting(fields, "drafting")
+        if self.children not in DRAFT_CHILDREN:
+            raise ConfigError(f"--draft-children must be one of {', '.join(DRAFT_CHILDREN)}, got {self.children!r}")
         if self.pool_tokens < 0:
             raise ConfigError(f"--pool-tokens must be >= 0, got {self.pool_tokens}")
 

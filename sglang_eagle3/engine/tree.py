@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -109,6 +110,9 @@ class Candidates:
     scores: torch.Tensor        # [B, C] log chance of acceptance (the draft's cumulative log-prob)
     parents: torch.Tensor       # [B, C] candidate index of the parent, -1 = the root
     from_context: torch.Tensor  # [B, C] bool: proposed by the context alone (not by the draft)
+    drawn_from: Optional[torch.Tensor] = None   # [B, C] the q slot a sampled child was drawn from (-1: not drawn;
+                                                # None: no row sampled its children)
+    draft_q: Optional[torch.Tensor] = None      # [B, S, Vd] those q (sampled_tree.DraftSampler.probs)
 
     def finite(self) -> list[int]:
         """Real candidates per row (the rest is padding at -inf)."""
@@ -121,18 +125,24 @@ class Candidates:
 
 @torch.no_grad()
 def draft_candidates(draft, pool: KVPool, rows: torch.Tensor, first_hidden, first_logits, root_tokens,
-                     root_positions, spec: SpecConfig, prune: bool = True) -> Candidates:
+                     root_positions, spec: SpecConfig, prune: bool = True, sampler=None) -> Candidates:
     """EAGLE-2's candidates for each row: the topk children of the spec.topk best frontier nodes, level by level.
 
     draft: Eagle3DraftModel. pool: its KV pool; rows [B] committed up to the root's position (exclusive).
     first_hidden [B, H]: draft output at the root's previous position; first_logits [B, draft_vocab]: its logits.
     root_tokens, root_positions [B]. prune (CPU): skip the levels that cannot change a tree of
-    spec.num_draft_tokens nodes (levels_needed).
+    spec.num_draft_tokens nodes (levels_needed). sampler (sampled_tree.DraftSampler; None: every row greedy):
+    picks each level's children instead of the topk likeliest (sampled rows draw theirs).
     """
     B, k = root_tokens.shape[0], spec.topk
     device = root_tokens.device
     scale = draft.config.head_dim ** -0.5
-    scores, draft_ids = K.topk_logprobs(first_logits, k)                       # [B, k] log-probs, draft ids
+    if sampler is None:
+        scores, draft_ids = K.topk_logprobs(first_logits, k)                   # [B, k] log-probs, draft ids
+        cand_drawn = None
+    else:
+        scores, draft_ids, drawn = (x.view(B, k) for x in sampler.children(first_logits.unsqueeze(1), k))
+        cand_drawn = [drawn]
     tokens = draft.draft_to_target(draft_ids)
     cand_tokens, cand_scores = [tokens], [scores]
     cand_parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
@@ -157,7 +167,11 @@ def draft_candidates(draft, pool: KVPool, rows: torch.Tensor, first_hidden, firs
         attend = pool_attend(pool, rows, lens + f0, fwd_mask[:, f0:f0 + k, :f0 + k], scale)
         positions = (root_positions + (step - 1)).view(B, 1).expand(B, k)
         out = draft(tokens, hidden, positions, attend=attend, fuse=False)      # [B, k, H] pre-norm
-        child_lp, child_ids = K.topk_logprobs(draft.compute_logits(out), k)    # [B, k, k] of [B, k, Vd] logits
+        if sampler is None:
+            child_lp, child_ids = K.topk_logprobs(draft.compute_logits(out), k)  # [B, k, k] of [B, k, Vd] logits
+        else:
+            child_lp, child_ids, drawn = sampler.children(draft.compute_logits(out), k)
+            cand_drawn.append(drawn.view(B, k * k))
         child_scores = (scores.unsqueeze(-1) + child_lp).view(B, k * k)
         child_tokens = draft.draft_to_target(child_ids).view(B, k * k)
         cand_tokens.append(child_tokens)
@@ -173,7 +187,8 @@ def draft_candidates(draft, pool: KVPool, rows: torch.Tensor, first_hidden, firs
         offset += k * k
     tokens = torch.cat(cand_tokens, 1)
     return Candidates(tokens, torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
-                      torch.zeros_like(tokens, dtype=torch.bool))
+                      torch.zeros_like(tokens, dtype=torch.bool),
+                      None if sampler is None else torch.cat(cand_drawn, 1), None if sampler is None else sampler.probs)
 
 
 def chain_candidates(proposals: list[list[tuple[list[int], list[float]]]], device) -> Candidates:
@@ -187,25 +202,29 @@ def chain_candidates(proposals: list[list[tuple[list[int], list[float]]]], devic
             at = -1
             for token, score in zip(chain, chances):
                 at = _add_child(tokens, scores, parents, child, at, token, score)
-        rows.append((tokens, scores, parents, [True] * len(tokens)))
+        rows.append((tokens, scores, parents, [True] * len(tokens), [-1] * len(tokens)))
     return _padded(rows, device)
 
 
 def merge_candidates(base: Candidates, extra: Candidates) -> Candidates:
     """base's candidates with extra's merged in (a hybrid step: the draft's and the context's). An extra node whose
     path base already holds raises that candidate's score to its own where higher (any top-N set stays closed under
-    ancestors); the others follow base's, keeping extra's from_context flag; siblings stay distinct."""
+    ancestors); the others follow base's, keeping extra's from_context flag; siblings stay distinct. A sampled
+    child of base is never merged into: its score must not depend on the token drawn (sampled_tree), so extra's
+    nodes stay beside it (extra must not be sampled)."""
     merged = []
-    for (tokens, scores, parents, context), extra_row in zip(_lists(base), _lists(extra)):
-        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if math.isfinite(scores[i])}
+    for (tokens, scores, parents, context, drawn), extra_row in zip(_lists(base), _lists(extra)):
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if math.isfinite(scores[i])
+                 and drawn[i] < 0}
         at: dict[int, int] = {-1: -1}                                     # extra's index -> merged index
-        for j, (token, score, parent, flag) in enumerate(zip(*extra_row)):
+        for j, (token, score, parent, flag, _) in enumerate(zip(*extra_row)):
             if math.isfinite(score):                                      # (not padding)
                 at[j] = _add_child(tokens, scores, parents, child, at[parent], token, score)
                 if at[j] == len(context):                                 # a new candidate
                     context.append(flag)
-        merged.append((tokens, scores, parents, context))
-    return _padded(merged, base.tokens.device)
+                    drawn.append(-1)
+        merged.append((tokens, scores, parents, context, drawn))
+    return _padded(merged, base.tokens.device, base.draft_q)
 
 
 def _add_child(tokens: list, scores: list, parents: list, child: dict, parent: int, token: int, score: float) -> int:
@@ -222,25 +241,38 @@ def _add_child(tokens: list, scores: list, parents: list, child: dict, parent: i
     return i
 
 
-def _lists(c: Candidates) -> list[tuple[list, list, list, list]]:
-    return list(zip(c.tokens.tolist(), c.scores.tolist(), c.parents.tolist(), c.from_context.tolist()))
+def _lists(c: Candidates) -> list[tuple[list, list, list, list, list]]:
+    drawn = c.drawn_from if c.drawn_from is not None else torch.full_like(c.tokens, -1)
+    return list(zip(c.tokens.tolist(), c.scores.tolist(), c.parents.tolist(), c.from_context.tolist(),
+                    drawn.tolist()))
 
 
-def _padded(rows: list[tuple[list, list, list, list]], device) -> Candidates:
-    """Per-row lists -> Candidates, rows padded to one width with candidates at -inf."""
+def _padded(rows: list[tuple[list, list, list, list, list]], device,
+            draft_q: Optional[torch.Tensor] = None) -> Candidates:
+    """Per-row lists -> Candidates, rows padded to one width with candidates at -inf (drawn_from kept where draft_q
+    holds the q they were drawn from)."""
     width = max(1, max(len(r[0]) for r in rows))
     pad = [(t + [0] * (width - len(t)), s + [-math.inf] * (width - len(s)), p + [-1] * (width - len(p)),
-            c + [True] * (width - len(c))) for t, s, p, c in rows]
+            c + [True] * (width - len(c)), d + [-1] * (width - len(d))) for t, s, p, c, d in rows]
     return Candidates(torch.tensor([r[0] for r in pad], dtype=torch.long, device=device),
                       torch.tensor([r[1] for r in pad], dtype=torch.float32, device=device),
                       torch.tensor([r[2] for r in pad], dtype=torch.long, device=device),
-                      torch.tensor([r[3] for r in pad], dtype=torch.bool, device=device))
+                      torch.tensor([r[3] for r in pad], dtype=torch.bool, device=device),
+                      None if draft_q is None else torch.tensor([r[4] for r in pad], dtype=torch.long, device=device),
+                      draft_q)
 
 
 def sorted_scores(cands: Candidates) -> list[list[float]]:
     """Each row's real candidates' scores, best first (the order a tree takes them in)."""
     return [[x for x in row if math.isfinite(x)] for row in torch.sort(cands.scores, dim=1, descending=True)
             .values.tolist()]
+
+
+def chosen_candidates(cands: Candidates, num_nodes: int) -> torch.Tensor:
+    """The candidates a tree of num_nodes nodes takes (build_draft_tree's choice), [B, num_nodes - 1] in creation
+    order: tree node i + 1 is candidate [b, i]."""
+    order = torch.sort(cands.scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
+    return torch.sort(order, dim=1).values
 
 
 def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int) -> tuple[DraftTree, torch.Tensor]:
@@ -250,7 +282,5 @@ def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int) -> t
     if n > min(cands.finite()):
         raise ValueError(f"a tree of {num_nodes} nodes needs {n} candidates per row, a row has {min(cands.finite())}")
     tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes)
-    order = torch.sort(cands.scores, dim=1, descending=True, stable=True).indices[:, :n]
-    chosen = torch.sort(order, dim=1).values                                   # [B, n] in creation order
-    context = torch.gather(cands.from_context, 1, chosen)
+    context = torch.gather(cands.from_context, 1, chosen_candidates(cands, num_nodes))
     return tree, torch.cat([torch.zeros_like(context[:, :1]), context], 1)

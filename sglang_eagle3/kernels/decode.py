@@ -428,6 +428,18 @@ def accept_sampling(tokens, parents, logits, temperature: float, top_k: int, top
     return accept_sampling_ref(tokens, parents, logits, temperature, top_k, top_p, uniforms)
 
 
+def accept_sampled_tree(tokens, parents, drawn_from, logits, temperature: float, top_k: int, top_p: float, draft_q,
+                        draft_targets, uniforms: torch.Tensor) -> tuple[list[int], int]:
+    """Recursive rejection sampling of one row's tree with sampled children (engine/sampled_tree.py's walk, csrc's
+    version: one exp pass over the vocabulary per visited node, each rejected draw updating only the draft
+    vocabulary's entries). drawn_from [N]: the q slot of draft_q [S, Vd] each node was drawn from (-1: a
+    deterministic proposal); draft_targets [Vd]: target ids; uniforms [N] float64. Only where
+    sampling_in_extension(logits): the PyTorch walk is sampled_tree.verify_sampled_tree."""
+    nodes, bonus = load().accept_sampled_tree(tokens, parents, drawn_from, logits, float(temperature), int(top_k),
+                                              float(top_p), draft_q, draft_targets, uniforms)
+    return nodes.tolist(), int(bonus[0])
+
+
 def accept_sampling_ref(tokens, parents, logits, temperature: float, top_k: int, top_p: float,
                         uniforms: torch.Tensor) -> tuple[list[int], int]:
     toks, pars, u = tokens.tolist(), parents.tolist(), uniforms.tolist()

@@ -36,6 +36,7 @@ from sglang_eagle3.engine.settings import (
     POOL_TOKENS,
     SGLANG_TREE,
     Settings,
+    add_children_arg,
     add_compile_arg,
     add_dtype_arg,
     apply_compile_arg,
@@ -103,6 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "both in one tree (default: the profile's choice for this host, else eagle)")
     g.add_argument("--tree", choices=list(TREE_SIZING), default=None,
                    help="profile: the fixed tree per batch size; auto: sized each step by this machine's costs")
+    add_children_arg(g)
     g.add_argument("--pool-tokens", type=int, default=None,
                    help=f"suffix/hybrid: tokens of recent requests searched for continuations too (default "
                         f"{POOL_TOKENS}, about 150 MB of index; 0: none)")

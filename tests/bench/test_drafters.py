@@ -56,6 +56,8 @@ def test_drafters_side_by_side_on_the_same_prompts(env, tmp_path, capsys):
                                                       "hybrid-auto speed-up"]
     assert (tmp_path / "d.png").read_bytes()[:8] == PNG_MAGIC
     capsys.readouterr()
-    for bad in ("eagle,eagle", "medusa", "hybrid-fast"):
+    for bad in ("eagle,eagle", "medusa", "hybrid-fast", "eagle:beam", "eagle:top-k,eagle:top-k"):
         with pytest.raises(Exception, match="--drafters"):
             parse_drafters(bad)
+    assert parse_drafters("eagle,hybrid-auto:top-k") == [("eagle", "eagle", "profile", "sampled"),
+                                                         ("hybrid-auto:top-k", "hybrid", "auto", "top-k")]

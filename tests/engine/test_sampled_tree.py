@@ -348,3 +348,42 @@ def test_sampled_children_accept_more_than_top_k_deterministic_ones(draft):
     print(report)
     assert all(s - 4 * e > d for _, d, s, e, _ in rows), report
     assert all(abs(x - s) < 4 * e + 0.01 for _, _, s, e, x in rows), report
+
+
+@pytest.mark.parametrize("params", list(PARAMS))
+def test_the_extensions_walk_has_the_exact_chances_of_one_node(params):
+    """csrc's accept_sampled_tree at one node (two deterministic children, then three draws of a q over a draft
+    vocabulary that leaves some target tokens out): 20,000 walks land on each child, or on each bonus token, as often
+    as child_chances says (chi-square p > 1e-4), and never where it gives no chance."""
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
+        pytest.skip("the C++ extension is not built here")
+    g = torch.Generator().manual_seed(11)
+    V, targets = 12, torch.tensor([0, 2, 3, 5, 6, 8, 9, 11])             # the draft vocabulary's target ids
+    likely = torch.zeros(V)
+    likely[[0, 2, 3, 4, 9]] = 2.0                                           # where p and q overlap (top-k 4 cuts)
+    logits = torch.randn(6, V, generator=g) * 0.5 + likely
+    sp = PARAMS[params]
+    q_draft = target_probs(torch.randn(1, len(targets), generator=g) * 0.5 + likely[targets], sp)[0]
+    det = [4, 9]                                                            # deterministic children, one in Vd
+    q_draft[(targets.view(-1, 1) == torch.tensor(det)).any(1)] = 0.0        # drawn without them
+    q_draft /= q_draft.sum()
+    drawn = [int(targets[i]) for i in torch.multinomial(q_draft, 3, generator=g).tolist()]
+    tokens = [7] + det + drawn
+    parents, from_slot = [-1] + [0] * 5, [-1, -1, -1, 0, 0, 0]
+    q_target = torch.zeros(V, dtype=torch.float64)
+    q_target[targets] = q_draft.double()
+    p = target_probs(logits[0], sp).double()
+    chances, residual = child_chances(p, tokens[1:], [False, False, True, True, True], q_target)
+    want = torch.cat([torch.tensor(chances), (1 - sum(chances)) * residual])   # child i, or bonus token y
+    assert sum(c > 0.02 for c in chances) >= 2 and (want > 0.02).sum() >= 3      # a case worth testing
+    counts = torch.zeros(5 + V, dtype=torch.float64)
+    args = [torch.tensor(x) for x in (tokens, parents, from_slot)]
+    for _ in range(20000):
+        u = torch.rand(6, generator=g, dtype=torch.float64)
+        nodes, bonus = K.accept_sampled_tree(*args, logits, sp.temperature, sp.top_k, sp.top_p, q_draft.view(1, -1),
+                                             targets, u)
+        counts[nodes[1] - 1 if len(nodes) > 1 else 5 + bonus] += 1
+    assert counts[want == 0].sum() == 0
+    assert chi2_pvalue(counts, want) > 1e-4, (counts.tolist(), want.tolist())

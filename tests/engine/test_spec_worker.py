@@ -85,7 +85,7 @@ def test_a_context_with_no_match_gives_one_token_per_step():
     verifies the root alone and emits one token."""
     tm, _ = tiny_target("llama", vocab_size=64)
     worker = SpecWorker(tm, None, num_rows=1, max_len=64)
-    context = ContextDrafter(min_match=8)
+    context = ContextDrafter(max_tokens=8, max_branches=2, min_match=8, pool_tokens=0)
     prompt = [5, 9, 3, 7, 2]
     context.start("r", prompt)
     worker.prefill(0, prompt, SamplingParams())
@@ -105,7 +105,7 @@ def verified_of(tokens: list[int], parents: list[int], emitted: list[int]) -> Ve
 
 
 def test_the_context_learns_only_from_a_step_it_proposed_for(worker):
-    d = ContextDrafter(max_tokens=3, max_branches=1, min_match=2)
+    d = ContextDrafter(max_tokens=3, max_branches=1, min_match=2, pool_tokens=0)
     d.start("r", [1, 2, 3, 1, 2])
     batch = batch_of(worker, [0], keys=["r"])
     cands = d.propose(batch)

@@ -7,6 +7,7 @@ from conftest import random_draft, tiny_target
 
 from sglang_eagle3.engine import spec_worker as engine_mod
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.sampled_tree import _try_sampled as exact_try_sampled
 from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
@@ -171,24 +172,40 @@ def chi2_pvalue(counts, p):
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("biased,top_p,ext,drafter", [(False, 0.95, True, "eagle"), (False, 1.0, True, "eagle"),
-                                                      (False, 0.95, False, "eagle"), (True, 0.95, False, "eagle"),
-                                                      (False, 0.95, True, "hybrid"), (False, 0.95, False, "hybrid"),
-                                                      (True, 0.95, False, "hybrid"), (False, 0.95, True, "suffix")])
-def test_engine_sampling_matches_target_distribution(biased, top_p, ext, drafter, monkeypatch):
+def accept_with_p(target, draft, token):
+    """A planted bias in recursive rejection sampling: a sampled child accepted with p instead of min(1, p / q)."""
+    _, left, draft = exact_try_sampled(target, draft, token)
+    return float(target[token]), left, draft
+
+
+@pytest.mark.parametrize("biased,top_p,top_k,ext,drafter", [
+    (False, 0.95, 0, True, "eagle"), (False, 1.0, 0, True, "eagle"), (False, 0.95, 6, False, "eagle"),
+    (True, 0.95, 0, False, "eagle"), (False, 0.95, 0, True, "hybrid"), (False, 0.9, 6, False, "hybrid"),
+    (True, 0.95, 0, False, "hybrid"), (False, 0.95, 0, True, "suffix")])
+def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, drafter, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
-    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). ext: csrc's accept_sampling
-    walks the tree (where the extension is built), else the PyTorch walk. hybrid / suffix: trees that hold nodes the
-    context proposed (deterministic proposals beside the draft's, or alone) stay exact too."""
+    passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). The draft's children are sampled
+    (recursive rejection sampling verifies them; the planted bias accepts with p instead of min(1, p / q)). ext:
+    csrc's accept_sampling walks trees without sampled children (where the extension is built), else the PyTorch
+    walk. hybrid / suffix: trees that hold nodes the context proposed (deterministic proposals beside the draft's
+    samples, or alone) stay exact too."""
+    from sglang_eagle3.engine import sampled_tree
     from sglang_eagle3.engine.speculation import Drafting
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
-    params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, top_k=top_k, ignore_eos=True)
     prompt = [3, 7, 1, 12, 5, 9, 0, 2, 4, 6, 8, 10, 11, 13, 14, 15, 3]   # every token once: each proposes
     exact = exact_marginals(hf, prompt, 3, params)
     if not ext:
         monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
     if biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
+        monkeypatch.setattr(sampled_tree, "_try_sampled", accept_with_p)
+        if drafter == "suffix":
+            monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
+    walks = []
+    real_walk = engine_mod.accept_sampled_row
+    monkeypatch.setattr(engine_mod, "accept_sampled_row", lambda *a: walks.append(int((a[2] >= 0).sum())) or
+                        real_walk(*a))
     drafting = Drafting(drafter, context_tokens=3, context_branches=2, min_match=1)
     eng = SpeculativeEngine(tm, random_draft(tm, seed=4), Settings(tree=SpecConfig(2, 3, 6), drafting=drafting))
     counts = torch.zeros(3, 16)
@@ -200,6 +217,7 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, ext, drafter
             for i, t in enumerate(o.token_ids):
                 counts[i, t] += 1
     assert (from_context > 100) == (drafter != "eagle")       # the mixed trees were there, and accepted from
+    assert (sum(walks) > 1000) == (drafter != "suffix")       # and the draft's sampled children
     pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
     assert pvals[0] > 1e-3                       # first token comes from the prefill, never from the tree
     if biased:

@@ -72,6 +72,10 @@ std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tens
 std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);
 std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
                                         double temperature, int64_t top_k, double top_p, const at::Tensor& uniforms);
+std::vector<at::Tensor> accept_sampled_tree(const at::Tensor& tokens, const at::Tensor& parents,
+                                            const at::Tensor& drawn_from, const at::Tensor& logits, double temperature,
+                                            int64_t top_k, double top_p, const at::Tensor& draft_q,
+                                            const at::Tensor& draft_targets, const at::Tensor& uniforms);
 
 // ---- training ------------------------------------------------------------------------------------------------
 // train_ops.cpp

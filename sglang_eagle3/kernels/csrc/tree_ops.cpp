@@ -288,6 +288,43 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor
   return {path, count, emitted};
 }
 
+// The bonus token of a walk: drawn from the residual r [V] (unnormalised, >= 0) by its inverse CDF at u in [0, 1),
+// over blocks of 16 (block sums first: their total is the residual's; then the block holding u * total, element by
+// element). refill() rewrites r when it holds no mass. Returns -1 when r holds none even then.
+template <typename Refill>
+int64_t draw_residual(float* r, int64_t V, std::vector<double>& block, double u, Refill refill) {
+  const int64_t nb = (V + 15) / 16;
+  block.assign(nb, 0.0);
+  double total = 0.0;
+  for (int pass = 0; pass < 2 && !(total > 0); ++pass) {
+    if (pass == 1) refill();
+    total = 0.0;
+    for (int64_t i = 0; i < nb; ++i) {
+      block[i] = block_sum(r + i * 16, std::min<int64_t>(16, V - i * 16));
+      total += block[i];
+    }
+  }
+  if (!(total > 0)) return -1;
+  const double target = u * total;
+  double acc = 0.0;
+  int64_t b = 0, with_mass = 0, bonus = -1;
+  for (; b < nb; ++b) {                     // the first block whose end passes the target
+    if (block[b] > 0) with_mass = b;
+    if (block[b] > 0 && acc + block[b] > target) break;
+    acc += block[b];
+  }
+  if (b == nb)                              // u * total rounded up to the total: the last token with mass
+    b = with_mass, acc = -std::numeric_limits<double>::infinity();
+  const int64_t j0 = b * 16, j1 = std::min<int64_t>(V, j0 + 16);
+  for (int64_t j = j0; j < j1; ++j) {       // inside the block element by element (rounding: its last token
+    if (r[j] <= 0.f) continue;              // with mass)
+    if (acc > target) break;
+    acc += r[j];
+    bonus = j;
+  }
+  return bonus;
+}
+
 // Tree speculative sampling of one row (verify.verify_sampling with p = target_probs: softmax(logits / temperature),
 // top_k > 0 and top_p < 1 filtered as there, at each node)
 // without a probability tensor: one exp pass over the vocabulary per visited node. At a node, its children (in index
@@ -338,40 +375,116 @@ std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tens
         node = next;
         continue;
       }
-      // the bonus by inverse CDF over blocks of 16: block sums first (their total is the residual's), then the
-      // block holding u * total, element by element
-      const int64_t nb = (V + 15) / 16;
-      block.assign(nb, 0.0);
-      double total = 0.0;
-      for (int pass = 0; pass < 2 && !(total > 0); ++pass) {
-        if (pass == 1) {                                          // all of p drafted and rejected: p itself
-          const double all = exp_row(row, V, mx, inv_t, r.data());
-          if (top_k > 0 || top_p < 1.0) filter_top(r.data(), V, top_k, top_p, all);
+      bonus = draw_residual(r.data(), V, block, u[k++], [&] {      // all of p drafted and rejected: p itself
+        const double all = exp_row(row, V, mx, inv_t, r.data());
+        if (top_k > 0 || top_p < 1.0) filter_top(r.data(), V, top_k, top_p, all);
+      });
+      TORCH_CHECK(bonus >= 0, "accept_sampling: node ", node, " has no probability mass (logits all -inf)");
+    }
+  });
+  return {torch::tensor(nodes, tokens.options()), torch::tensor({bonus}, tokens.options())};
+}
+
+// A tree with sampled children, verified by recursive rejection sampling (engine/sampled_tree.py's walk, same law):
+// at a node with target distribution p (as accept_sampling's) its deterministic children (drawn_from < 0) are tried
+// first, each accepted with r(x) / sum(r) and zeroed from r when rejected; then its sampled children in draw order
+// against the q they were drawn from (draft_q[drawn_from], over the draft vocabulary; draft_targets maps a draft id
+// to its target id): child x is accepted with min(1, p_i(x) / q_i(x)); on rejection p_{i+1} = max(0, p_i - q_i)
+// (only the draft vocabulary's entries change) and q_{i+1} = q_i without x. The bonus is drawn from the last residual.
+// tokens, parents, drawn_from [N] int64; logits [N, V]; draft_q [S, Vd] float32 (zero at the node's deterministic
+// children); uniforms [N] float64 (one per child tried, then one for the bonus). Returns (accepted nodes, bonus [1]).
+std::vector<at::Tensor> accept_sampled_tree(const at::Tensor& tokens, const at::Tensor& parents,
+                                            const at::Tensor& drawn_from, const at::Tensor& logits, double temperature,
+                                            int64_t top_k, double top_p, const at::Tensor& draft_q,
+                                            const at::Tensor& draft_targets, const at::Tensor& uniforms) {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.sizes() == parents.sizes() && tokens.sizes() == drawn_from.sizes() &&
+              tokens.scalar_type() == at::kLong && parents.scalar_type() == at::kLong &&
+              drawn_from.scalar_type() == at::kLong, "accept_sampled_tree: tokens, parents, drawn_from: int64 [N]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0) && logits.device().is_cpu(),
+              "accept_sampled_tree: logits must be a CPU [N, V]");
+  TORCH_CHECK(draft_q.dim() == 2 && draft_q.scalar_type() == at::kFloat && draft_targets.dim() == 1 &&
+              draft_targets.scalar_type() == at::kLong && draft_targets.size(0) == draft_q.size(1),
+              "accept_sampled_tree: draft_q float32 [S, Vd], draft_targets int64 [Vd]");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) >= tokens.size(0) && uniforms.scalar_type() == at::kDouble,
+              "accept_sampled_tree: uniforms must be float64 [>= N]");
+  TORCH_CHECK(temperature > 0, "accept_sampled_tree: temperature must be > 0");
+  const int64_t N = tokens.size(0), V = logits.size(1), S = draft_q.size(0), Vd = draft_q.size(1);
+  at::Tensor tk = tokens.contiguous(), pa = parents.contiguous(), df = drawn_from.contiguous(), z = logits.contiguous();
+  at::Tensor dq = draft_q.contiguous(), dt = draft_targets.contiguous(), uu = uniforms.contiguous();
+  const int64_t *t = tk.data_ptr<int64_t>(), *p = pa.data_ptr<int64_t>(), *from = df.data_ptr<int64_t>();
+  const int64_t* targets = dt.data_ptr<int64_t>();
+  const float* qall = dq.data_ptr<float>();
+  const double* u = uu.data_ptr<double>();
+  for (int64_t j = 0; j < Vd; ++j)
+    TORCH_CHECK(targets[j] >= 0 && targets[j] < V, "accept_sampled_tree: draft id ", j, " maps outside the vocabulary");
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  std::vector<float> r(V);
+  std::vector<double> q(Vd), block;
+  std::vector<int64_t> nodes{0}, kids;
+  std::vector<int64_t> draft_id(V, -1);                         // target id -> draft id, for the sampled children
+  for (int64_t j = 0; j < Vd; ++j) draft_id[targets[j]] = j;
+  int64_t bonus = -1;
+  E3_DISPATCH(z.scalar_type(), "accept_sampled_tree", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    int64_t node = 0, k = 0;
+    while (bonus < 0) {
+      const scalar_t* row = zp + node * V;
+      const float mx = row_max(row, V);
+      double left = exp_row(row, V, mx, inv_t, r.data());       // the residual's total (unnormalised)
+      if (top_k > 0 || top_p < 1.0) left = filter_top(r.data(), V, top_k, top_p, left);
+      kids.clear();                                              // deterministic children first, then the draws
+      for (int64_t c = node + 1; c < N; ++c) if (p[c] == node && from[c] < 0) kids.push_back(c);
+      for (int64_t c = node + 1; c < N; ++c) if (p[c] == node && from[c] >= 0) kids.push_back(c);
+      int64_t next = -1, slot = -1;
+      double qsum = 0.0;
+      for (int64_t c : kids) {
+        const int64_t x = t[c];
+        if (from[c] < 0) {                                       // a deterministic proposal
+          const double rc = r[x];
+          if (u[k++] * left < rc) { next = c; break; }
+          left -= rc;
+          r[x] = 0.f;
+          continue;
         }
-        total = 0.0;
-        for (int64_t i = 0; i < nb; ++i) {
-          block[i] = block_sum(r.data() + i * 16, std::min<int64_t>(16, V - i * 16));
-          total += block[i];
+        if (from[c] != slot) {                                   // the q this node's children were drawn from
+          slot = from[c];
+          TORCH_CHECK(slot < S, "accept_sampled_tree: node ", c, " was drawn from q slot ", slot, " of ", S);
+          const float* qs = qall + slot * Vd;
+          qsum = 0.0;
+          for (int64_t j = 0; j < Vd; ++j) qsum += q[j] = qs[j];
+        }
+        const int64_t d = draft_id[x];
+        TORCH_CHECK(d >= 0 && q[d] > 0 && qsum > 0, "accept_sampled_tree: sampled child ", c,
+                    " has no chance under its q");
+        const double pi = left > 0 ? r[x] / left : 0.0, qi = q[d] / qsum;
+        if (u[k++] * qi < pi) { next = c; break; }                // u < min(1, p_i(x) / q_i(x))
+        double removed = 0.0;                                    // p_{i+1} = max(0, p_i - q_i), kept at scale left
+        const double scale = left / qsum;
+        for (int64_t j = 0; j < Vd; ++j) {
+          if (q[j] <= 0.0) continue;
+          const int64_t y = targets[j];
+          const float was = r[y], now = static_cast<float>(std::max(0.0, was - q[j] * scale));
+          removed += static_cast<double>(was) - now;
+          r[y] = now;
+        }
+        left -= removed;
+        qsum -= q[d];                                            // q_{i+1}: q_i without x
+        q[d] = 0.0;
+        if (!(left > 0)) {                                       // p_i == q_i: rounding rejected a sure child
+          next = c;
+          break;
         }
       }
-      TORCH_CHECK(total > 0, "accept_sampling: node ", node, " has no probability mass (logits all -inf)");
-      const double target = u[k++] * total;
-      double acc = 0.0;
-      int64_t b = 0, with_mass = 0;
-      for (; b < nb; ++b) {                     // the first block whose end passes the target
-        if (block[b] > 0) with_mass = b;
-        if (block[b] > 0 && acc + block[b] > target) break;
-        acc += block[b];
+      if (next >= 0) {
+        nodes.push_back(next);
+        node = next;
+        continue;
       }
-      if (b == nb)                              // u * total rounded up to the total: the last token with mass
-        b = with_mass, acc = -std::numeric_limits<double>::infinity();
-      const int64_t j0 = b * 16, j1 = std::min<int64_t>(V, j0 + 16);
-      for (int64_t j = j0; j < j1; ++j) {       // inside the block element by element (rounding: its last token
-        if (r[j] <= 0.f) continue;              // with mass)
-        if (acc > target) break;
-        acc += r[j];
-        bonus = j;
-      }
+      bonus = draw_residual(r.data(), V, block, u[k++], [&] {
+        const double all = exp_row(row, V, mx, inv_t, r.data());
+        if (top_k > 0 || top_p < 1.0) filter_top(r.data(), V, top_k, top_p, all);
+      });
+      TORCH_CHECK(bonus >= 0, "accept_sampled_tree: node ", node, " has no probability mass (logits all -inf)");
     }
   });
   return {torch::tensor(nodes, tokens.options()), torch::tensor({bonus}, tokens.options())};
