@@ -39,10 +39,13 @@ def percentile(xs: list[float], q: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: Optional[float],
                       ignore_eos: bool) -> dict:
+    """One streamed chat request; temperature None leaves the field out (the server's default: OpenAI's 1.0)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:
+        body["temperature"] = temperature
     if ignore_eos:
         body["ignore_eos"] = True
     import httpx
@@ -81,7 +84,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n: int, max_tokens: int,
-                    temperature: float, ignore_eos: bool, timeout: float) -> dict:
+                    temperature: Optional[float], ignore_eos: bool, timeout: float) -> dict:
     import httpx
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -242,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default=DEFAULT_LEVELS)
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=request_temperature, default=0.0,
+                   help="sent with every request (default 0); `default`: left out, as most clients do, so the "
+                        "server's default applies (OpenAI's 1.0)")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take (default 1800)")
     p.add_argument("--beside", default="idle", choices=LOADS,
@@ -250,6 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "end (bench/contention.py): loop, torch2 or generate")
     p.add_argument("--out", default="results/bench_serving.json")
     return p
+
+
+def request_temperature(text: str) -> Optional[float]:
+    """--temperature: a number >= 0, or `default` (None: the requests carry none)."""
+    if text == "default":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'default', got {text!r}") from None
+
+
+def temperature_text(temperature: Optional[float]) -> str:
+    return "server default (none sent)" if temperature is None else f"{temperature:g}"
 
 
 def load_prompt_texts(data: Optional[str], datasets: str) -> list[str]:
@@ -276,7 +295,8 @@ def level_prompts(prompts: list[str], sizes: list[int], warm: int) -> list[list[
 def run(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_at_least(1, flags_of(a, "requests", "max_tokens", "max_running"))
-    check_at_least(0, flags_of(a, "temperature"))
+    if a.temperature is not None:
+        check_at_least(0, flags_of(a, "temperature"))
     if not a.timeout > 0:
         raise UserError(f"--timeout must be > 0, got {a.timeout:g}")
     try:
@@ -315,11 +335,11 @@ def run(argv=None) -> int:
                 s["model"] = server_model(s["url"], f"the {s['name']} server started here")
         load = start_busy(a.beside, a.target if a.start else "testbed", a.dtype)
         result = {"format": "sglang_eagle3.bench_serving/1", "servers": servers, "concurrency": levels,
-                  "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,
+                  "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,   # None: not sent
                   "beside": a.beside,
                   "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
                   "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
-                           f", max_tokens {a.max_tokens}, T={a.temperature:g}"
+                           f", max_tokens {a.max_tokens}, T={temperature_text(a.temperature)}"
                            + ("" if a.beside == "idle" else f", beside {LOAD_TEXT[a.beside]}")}
         warm = max(4, 2 * levels[0])
         for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)

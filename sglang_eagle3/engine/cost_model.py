@@ -151,13 +151,14 @@ class StepCosts:
 
 
 def choose_tree_size(scores: list[list[float]], costs: StepCosts, batch: int, max_nodes: int, draft_s: float = 0.0,
-                     context: int = CONTEXTS[0]) -> tuple[int, float, float]:
+                     context: int = CONTEXTS[0], scale: float = 1.0) -> tuple[int, float, float]:
     """scores: per row, its candidates' log acceptance chances, best first (the order the tree takes them in).
     -> (N, expected tokens, expected seconds) of the tree size N in 1..max_nodes (N - 1 candidates per row, the root
     included in N) with the most expected tokens per second; N = 1 is one token per row, no speculation. draft_s:
-    seconds already spent drafting this step (counted at every N: the rate is the step's)."""
+    seconds already spent drafting this step (counted at every N: the rate is the step's). scale: each chance is
+    read as min(1, scale * chance) (the planner's calibration)."""
     cap = min(max_nodes, 1 + min((len(s) for s in scores), default=0))
-    chances = [[math.exp(x) for x in s[:cap - 1]] for s in scores]
+    chances = [[min(1.0, scale * math.exp(x)) for x in s[:cap - 1]] for s in scores]
     best = (1, float(batch), draft_s + costs.verify_s(batch, 1, context))
     tokens = float(batch)
     for n in range(2, cap + 1):
@@ -182,6 +183,8 @@ class TreePlanner:
     EMA = 0.2
     EXPLORE_EVERY = 8
     IDLE_SKIP = 8            # after this many steps in a row without speculation, look for proposals 1 step in 8
+    CHANCE_SCALE = (0.25, 4.0)   # the calibration of sampled trees' chances stays within these
+    RELAX = 0.02                 # per sampled root-only step, the calibration's drift back toward 1
 
     def __init__(self, costs: StepCosts, max_nodes: int, has_draft: bool):
         self.costs, self.max_nodes, self.has_draft = costs, max_nodes, has_draft
@@ -190,6 +193,10 @@ class TreePlanner:
         self.undrafted: dict[int, int] = {}           # batch -> steps since the draft last ran at it
         self.idle: dict[int, int] = {}                # batch -> steps in a row that verified the root alone
         self.steps = {"draft": 0, "context": 0, "none": 0}
+        # sampled steps: accepted draft tokens over the sum of their nodes' chances, both averaged (EMA); greedy
+        # steps read the chances as they are
+        self.chance_scale, self.accepted_avg, self.expected_avg = 1.0, None, None
+        self.expected: Optional[float] = None     # the sum of the chances of the last sized sampled tree
 
     def _bucket(self, table: dict, batch: int) -> Optional[float]:
         keys = [b for b in table if b <= batch]
@@ -207,10 +214,23 @@ class TreePlanner:
     def verify_s(self, batch: int, nodes: int, context: int) -> float:
         return self.costs.verify_s(batch, nodes, context) * (self._bucket(self.verify_factor, batch) or 1.0)
 
-    def size(self, scores: list[list[float]], batch: int, context: int, draft_s: float = 0.0) -> tuple[int, float]:
-        """The tree size (1 = the root alone) and its predicted tokens per second."""
-        n, tokens, seconds = choose_tree_size(scores, self, batch, self.max_nodes, draft_s, context)
+    def size(self, scores: list[list[float]], batch: int, context: int, draft_s: float = 0.0,
+             sampled: bool = False) -> tuple[int, float]:
+        """The tree size (1 = the root alone) and its predicted tokens per second. sampled: a step with sampling rows,
+        whose chances (the sampled children's rank scores) are read through the calibration its verifies learn."""
+        scale = self.chance_scale if sampled else 1.0
+        n, tokens, seconds = choose_tree_size(scores, self, batch, self.max_nodes, draft_s, context, scale)
+        self.expected = sum(math.exp(x) for s in scores for x in s[:n - 1]) if sampled and n > 1 else None
+        if sampled and n == 1 and self.expected_avg is not None:
+            self.relax_chance_scale()
         return n, tokens / seconds
+
+    def relax_chance_scale(self) -> None:
+        """A sampled step that verifies the root alone teaches the calibration nothing; without this a low stretch
+        would keep sampled trees off for good. The scale drifts back toward 1 (RELAX of the gap per such step)
+        until a tree pays again and its verifies are observed."""
+        self.chance_scale += self.RELAX * (1.0 - self.chance_scale)
+        self.accepted_avg = self.chance_scale * self.expected_avg
 
     def wants_draft(self, context_scores: Optional[list[list[float]]], batch: int, context: int) -> bool:
         """Run the draft this step? Always while its rate is unknown; else when its recent drafted trees promised
@@ -244,6 +264,9 @@ class TreePlanner:
         """A finished step (what the speculative worker tells its observer): its tree, its verify's cost
         (where timed) and, where the draft ran, the tokens per second it delivered."""
         self.observe_size(step.batch, step.nodes, step.drafted)
+        if self.expected is not None and step.nodes > 1:
+            self.observe_acceptance(step.tokens - step.batch, self.expected)
+        self.expected = None
         if step.forward_s is not None:
             self.observe_verify(step.batch, step.nodes, step.context, step.forward_s)
         self.observe_step(step.batch, step.drafted, step.tokens, step.times.draft + step.times.verify)
@@ -251,6 +274,17 @@ class TreePlanner:
     def observe_size(self, batch: int, nodes: int, drafted: bool) -> None:
         """A step's tree: the root alone and no draft counts toward an idle stretch, anything else ends it."""
         self.idle[batch] = self.idle.get(batch, 0) + 1 if nodes <= 1 and not drafted else 0
+
+    def observe_acceptance(self, accepted: int, expected: float) -> None:
+        """A sampled step's accepted draft tokens against the sum of its tree's chances: the calibration
+        (chance_scale, within CHANCE_SCALE) that makes the chances of later sampled trees match what verifies
+        accept."""
+        a, e = self.EMA, self.expected_avg
+        self.accepted_avg = accepted if e is None else (1 - a) * self.accepted_avg + a * accepted
+        self.expected_avg = expected if e is None else (1 - a) * e + a * expected
+        if self.expected_avg > 0:
+            low, high = self.CHANCE_SCALE
+            self.chance_scale = min(high, max(low, self.accepted_avg / self.expected_avg))
 
     def observe_verify(self, batch: int, nodes: int, context: int, seconds: float) -> None:
         predicted = self.costs.verify_s(batch, nodes, context)

@@ -215,19 +215,30 @@ class DraftSampler:
         scores, ids = K.topk_logprobs(logits, k)                                   # greedy rows' children
         drawn_from = torch.full((B, M, k), -1, dtype=torch.long, device=logits.device)
         for b in (b for b, s in enumerate(self.sampled) if s):
-            p = self.params[b]
-            q = K.sampling_probs(logits[b], p.temperature, p.top_k, p.top_p)       # [M, Vd]
-            if first and b < len(self.excluded) and len(self.excluded[b]):
-                q[:, list(self.excluded[b])] = 0.0
-                q = q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+            excluded = self.excluded[b] if first and b < len(self.excluded) else []
+            q, scores[b], drawn = self.draw(logits[b], self.params[b], k, excluded, self.generators[b])
             self.probs[b, slots] = q
-            log_q = q.log()
-            scores[b] = log_q.topk(k, dim=-1).values                               # [M, k] by rank
-            drawn, _ = gumbel_top_k(log_q, k, self.generators[b])                  # [M, k] in draw order
             ids[b] = drawn.clamp(min=0)                                            # (-1: no draw, score -inf)
             drawn_from[b] = slots.view(M, 1)
         self.used += M
         return scores, ids, drawn_from
+
+    @staticmethod
+    def draw(logits: torch.Tensor, params, k: int, excluded: Sequence[int],
+             generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One row's nodes, logits [M, Vd] -> q [M, Vd], the log of its k largest values [M, k] and k draws without
+        replacement from q [M, k] (-1 past its tokens): csrc's one pass per node where it runs, else Gumbel-top-k."""
+        if K.sampling_in_extension(logits):
+            u = torch.rand(logits.shape[0], k, dtype=torch.float64, device=logits.device, generator=generator)
+            ex = torch.tensor(list(excluded), dtype=torch.long, device=logits.device)
+            return K.draft_children(logits, params.temperature, params.top_k, params.top_p, k, ex, u)
+        q = K.sampling_probs(logits, params.temperature, params.top_k, params.top_p)        # [M, Vd]
+        if len(excluded):
+            q[:, list(excluded)] = 0.0
+            q = q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+        log_q = q.log()
+        drawn, _ = gumbel_top_k(log_q, k, generator)                                        # [M, k] draw order
+        return q, log_q.topk(k, dim=-1).values, drawn
 
 
 class NodeDraftProbs:

@@ -223,7 +223,8 @@ class SpecWorker:
         if cands is None:
             return 1
         if planner is not None:
-            return planner.size(sorted_scores(cands), batch.size, batch.context, proposal.draft_s)[0]
+            return planner.size(sorted_scores(cands), batch.size, batch.context, proposal.draft_s,
+                                sampled=not all(batch.greedy))[0]
         drafted = batch.spec.num_draft_tokens if proposal.drafted else 1
         extra = min(cands.context_nodes(), MAX_CONTEXT_NODES) if proposal.with_context else 0
         return min(1 + min(cands.finite()), drafted + extra)

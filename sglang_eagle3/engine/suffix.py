@@ -138,7 +138,7 @@ class SuffixPool:
             for n in range(1, min(self.max_n, end) + 1):
                 _remember(self.ends[n], tuple(tokens[end - n:end]), (sid, end), self.keep)
 
-    def propose(self, suffix: list[int], max_tokens: int, min_match: int = 2) -> Optional[Proposal]:
+    def propose(self, suffix: list[int], max_tokens: int, min_match: int) -> Optional[Proposal]:
         """The longest match of `suffix` over the pooled streams (the newest stream first on equal length)."""
         for n in range(min(self.max_n, len(suffix)), max(min_match, 1) - 1, -1):
             for sid, end in reversed(self.ends[n].get(tuple(suffix[len(suffix) - n:]), ())):

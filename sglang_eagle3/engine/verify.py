@@ -5,8 +5,9 @@ does and emit the target's own argmax there (the bonus token). `accept_greedy` d
 with tensor operations: a node is accepted when it and all its ancestors match the target's argmax at
 their parents; siblings are distinct tokens, so the accepted nodes form one root path.
 
-Sampling: tree speculative sampling with the draft treated as deterministic (its children are the
-top-k tokens, not samples). At a node with target distribution p, try its children x1, x2, ... in
+Sampling, deterministic children (the context's proposals; every child under --draft-children top-k, the
+EAGLE authors' scheme, where the draft's top-k tokens are taken as they are; sampled children are
+sampled_tree.py's): tree speculative sampling. At a node with target distribution p, try its children x1, x2, ... in
 order: accept x_i with probability r(x_i) / sum(r), where r starts as p and each rejected child is
 zeroed out of r. If all are rejected, sample the bonus from r / sum(r). This yields exactly p: the
 chance to emit x_i is prod_{j<i}(1 - P(x_j)) * p(x_i) / (1 - sum_{j<i} p(x_j)) = p(x_i), and the

@@ -440,6 +440,16 @@ def accept_sampled_tree(tokens, parents, drawn_from, logits, temperature: float,
     return nodes.tolist(), int(bonus[0])
 
 
+def draft_children(logits, temperature: float, top_k: int, top_p: float, k: int, excluded: torch.Tensor,
+                   uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampling row's draft children at M nodes (csrc's version of sampled_tree.DraftSampler's PyTorch path, the
+    same law): logits [M, Vd] -> q [M, Vd] (sampling_probs with the `excluded` draft ids zeroed, renormalised), the
+    log of its k largest values [M, k] and k draws without replacement [M, k] (inverse CDF at uniforms [M, k]
+    float64; -1 with score -inf past q's tokens). Only where sampling_in_extension(logits)."""
+    return tuple(load().draft_children(logits, float(temperature), int(top_k), float(top_p), int(k), excluded,
+                                       uniforms))
+
+
 def accept_sampling_ref(tokens, parents, logits, temperature: float, top_k: int, top_p: float,
                         uniforms: torch.Tensor) -> tuple[list[int], int]:
     toks, pars, u = tokens.tolist(), parents.tolist(), uniforms.tolist()

@@ -387,3 +387,36 @@ def test_the_extensions_walk_has_the_exact_chances_of_one_node(params):
         counts[nodes[1] - 1 if len(nodes) > 1 else 5 + bonus] += 1
     assert counts[want == 0].sum() == 0
     assert chi2_pvalue(counts, want) > 1e-4, (counts.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("params", list(PARAMS))
+def test_the_extensions_draft_children_are_draws_without_replacement_from_q(params):
+    """csrc's draft_children on 6 draft tokens, one excluded: q is sampling_probs with it zeroed and renormalised,
+    the scores are the log of q's largest values, and the first two of 3 draws follow q_a q_b / (1 - q_a) over
+    30,000 runs (chi-square p > 1e-4; never an excluded or zero-chance token, never a repeat)."""
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    if extension.load() is None:
+        pytest.skip("the C++ extension is not built here")
+    sp, g, n = PARAMS[params], torch.Generator().manual_seed(5), 30000
+    logits = (torch.randn(1, 6, generator=g) * 0.8).expand(n, 6).contiguous()
+    q, scores, draws = K.draft_children(logits, sp.temperature, sp.top_k, sp.top_p, 3, torch.tensor([1]),
+                                        torch.rand(n, 3, generator=g, dtype=torch.float64))
+    want_q = target_probs(logits[0], sp)
+    want_q[1] = 0.0
+    want_q /= want_q.sum()
+    assert torch.allclose(q[0], want_q, atol=1e-6)
+    top = want_q.topk(3).values
+    assert torch.allclose(scores[0], top.log(), atol=1e-5) or bool((top == 0).any())
+    live = int((want_q > 0).sum())
+    assert (draws[:, live:] == -1).all() and (draws[:, :min(live, 3)] >= 0).all()
+    first_two = draws[:, :2]
+    assert not (first_two == 1).any() and (first_two[:, 0] != first_two[:, 1]).all()
+    assert want_q[draws[:, :min(live, 3)]].gt(0).all()
+    if live < 2:
+        return
+    pairs = want_q.double().view(6, 1) * want_q.double().view(1, 6) / (1 - want_q.double()).view(6, 1)
+    pairs.fill_diagonal_(0.0)
+    counts = torch.zeros(36, dtype=torch.float64)
+    counts.index_add_(0, first_two[:, 0] * 6 + first_two[:, 1], torch.ones(n, dtype=torch.float64))
+    assert chi2_pvalue(counts, pairs.flatten() / pairs.sum()) > 1e-4

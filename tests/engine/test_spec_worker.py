@@ -130,3 +130,33 @@ def test_the_planner_observes_a_steps_record_as_its_three_observations():
         b.observe_step(1, drafted, 3, 0.004 + 0.021)
     assert (a.idle, a.verify_factor, a.draft_rate, a.undrafted) == (b.idle, b.verify_factor, b.draft_rate, b.undrafted)
     assert a.verify_factor and a.draft_rate
+
+
+def test_the_planner_calibrates_sampled_trees_by_what_their_verifies_accept():
+    """Sampled steps whose verifies accept twice what their nodes' chances promised raise the chances of later sampled
+    trees (a larger tree pays), within CHANCE_SCALE; greedy steps read the chances as they are and teach nothing."""
+    costs = StepCosts({1: {n: 0.01 + 0.0005 * n * n for n in range(1, 17)}}, {1: 0.0})    # best: 3 nodes, 4 at 2x
+    planner = TreePlanner(costs, 16, has_draft=True)
+    scores = [[math.log(0.3)] * 15]
+    n_before = planner.size(scores, 1, 200, sampled=True)[0]
+    assert planner.expected == pytest.approx(0.3 * (n_before - 1))
+    planner.size(scores, 1, 200)                                       # greedy: nothing to calibrate
+    assert planner.expected is None
+    for _ in range(40):
+        planner.size(scores, 1, 200, sampled=True)
+        expected = planner.expected
+        planner.observe(StepRecord(1, n_before, True, 200, 1 + round(2 * expected), StepTimes(0.001, 0.02), None))
+    assert 1.7 < planner.chance_scale < 2.4                           # 2, up to rounding the tokens
+    assert planner.size(scores, 1, 200, sampled=True)[0] > n_before
+    assert planner.size(scores, 1, 200)[0] == n_before                 # greedy trees keep their size
+    for _ in range(40):                                                # verifies that accept nothing
+        n = planner.size(scores, 1, 200, sampled=True)[0]
+        planner.observe(StepRecord(1, n, True, 200, 1, StepTimes(0.001, 0.02), None))
+    assert planner.size(scores, 1, 200, sampled=True)[0] == 1 and planner.chance_scale < 0.9
+    owed = 0.0
+    for _ in range(300):                        # root-only steps: the scale drifts back; then 0.3 per node again
+        n = planner.size(scores, 1, 200, sampled=True)[0]
+        owed += 0.3 * (n - 1)
+        accepted, owed = int(owed), owed - int(owed)
+        planner.observe(StepRecord(1, n, True, 200, 1 + accepted, StepTimes(0.001, 0.02), None))
+    assert planner.size(scores, 1, 200, sampled=True)[0] == n_before and 0.8 < planner.chance_scale < 1.2

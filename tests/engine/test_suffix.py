@@ -107,20 +107,20 @@ def test_the_pool_finds_the_longest_match_a_brute_force_search_finds():
                                               any(c == tuple(got.tokens[:len(c)]) for c in conts))
     pool.add("x", [9, 9, 1, 2, 7])
     pool.add("y", [3, 1, 2, 8])
-    assert pool.propose([1, 2], 1).tokens == [8]                   # the newest stream first
+    assert pool.propose([1, 2], 1, min_match=2).tokens == [8]                   # the newest stream first
     pool.add("y", [5])                                              # re-adding replaces the stream
-    assert pool.propose([1, 2], 1).tokens == [7]
+    assert pool.propose([1, 2], 1, min_match=2).tokens == [7]
 
 
 def test_the_pool_finds_other_streams_and_forgets_the_oldest():
     pool = SuffixPool(max_tokens=12, max_n=4)
     pool.add("a", [1, 2, 3, 4, 5, 6])
     pool.add("b", [7, 8, 9, 10])
-    got = pool.propose([0, 2, 3], 3)
+    got = pool.propose([0, 2, 3], 3, min_match=2)
     assert (got.tokens, got.match_len) == ([4, 5, 6], 2)
     pool.add("c", [11, 12, 13, 14, 15])                       # 15 tokens > 12: "a" goes
-    assert pool.propose([0, 2, 3], 3) is None and set(pool.streams) == {"b", "c"}
-    assert pool.propose([8, 9], 2).tokens == [10, 10]         # its end repeats (a loop of one)
+    assert pool.propose([0, 2, 3], 3, min_match=2) is None and set(pool.streams) == {"b", "c"}
+    assert pool.propose([8, 9], 2, min_match=2).tokens == [10, 10]         # its end repeats (a loop of one)
 
 
 def test_calibration_learns_from_what_was_accepted():

@@ -11,6 +11,7 @@ from sglang_eagle3.engine.sampled_tree import _try_sampled as exact_try_sampled
 from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
 from sglang_eagle3.engine.verify import SamplingParams, target_probs, verify_greedy, verify_sampling
+from sglang_eagle3.kernels import decode as decode_kernels
 from sglang_eagle3.kernels import extension
 
 
@@ -186,17 +187,18 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, 
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
     passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). The draft's children are sampled
     (recursive rejection sampling verifies them; the planted bias accepts with p instead of min(1, p / q)). ext:
-    csrc's accept_sampling walks trees without sampled children (where the extension is built), else the PyTorch
-    walk. hybrid / suffix: trees that hold nodes the context proposed (deterministic proposals beside the draft's
-    samples, or alone) stay exact too."""
+    csrc draws the children and walks the trees (where the extension is built), else PyTorch does (Gumbel-top-k,
+    sampled_tree's walk). hybrid / suffix: trees that hold nodes the context proposed (deterministic proposals
+    beside the draft's samples, or alone) stay exact too."""
     from sglang_eagle3.engine import sampled_tree
     from sglang_eagle3.engine.speculation import Drafting
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
     params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, top_k=top_k, ignore_eos=True)
     prompt = [3, 7, 1, 12, 5, 9, 0, 2, 4, 6, 8, 10, 11, 13, 14, 15, 3]   # every token once: each proposes
     exact = exact_marginals(hf, prompt, 3, params)
-    if not ext:
+    if not ext:                                  # the PyTorch draws (Gumbel-top-k) and walks
         monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
+        monkeypatch.setattr(decode_kernels, "sampling_in_extension", lambda *a: False)
     if biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
         monkeypatch.setattr(sampled_tree, "_try_sampled", accept_with_p)

@@ -616,7 +616,8 @@ def test_load_200_requests_at_concurrency_32_without_leaks(live):
 
 
 def test_bench_serving_against_live_servers(live, tmp_path, folders):
-    """The serving benchmark's client on two servers (here both ours): JSON, table and plot."""
+    """The serving benchmark's client on two servers (here both ours): JSON, table and plot; `--temperature default`
+    sends none (the server's default applies)."""
     from sglang_eagle3.bench import report
     from sglang_eagle3.bench.serving import run
     data = tmp_path / "data" / "eval"
@@ -625,8 +626,9 @@ def test_bench_serving_against_live_servers(live, tmp_path, folders):
     out = tmp_path / "serving.json"
     assert run(["--url", f"a={live.url}/v1", "--url", f"b={live.url}/v1", "--data", str(tmp_path / "data"),
                 "--datasets", "tiny", "--concurrency", "1,3", "--requests", "5", "--max-tokens", "6",
-                "--out", str(out)]) == 0
+                "--temperature", "default", "--out", str(out)]) == 0
     r = report.read_json(str(out))
+    assert r["temperature"] is None and "server default" in r["title"]
     for name in ("a", "b"):
         for c in ("1", "3"):
             lv = r["levels"][name][c]

@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accept_sampling", &accept_sampling, "tree speculative sampling of one row from the target's logits");
   m.def("accept_sampled_tree", &accept_sampled_tree,
         "recursive rejection sampling of one row's tree with sampled children, from the target's logits");
+  m.def("draft_children", &draft_children, "a sampling row's draft children: q, scores by rank, draws without replacement");
   // training
   m.def("soft_ce_forward", &soft_ce_forward, "soft cross-entropy over rows of p (-> loss, logsumexp)");
   m.def("soft_ce_backward", &soft_ce_backward, "(softmax(z) - p[rows]) * grad");

@@ -76,6 +76,8 @@ std::vector<at::Tensor> accept_sampled_tree(const at::Tensor& tokens, const at::
                                             const at::Tensor& drawn_from, const at::Tensor& logits, double temperature,
                                             int64_t top_k, double top_p, const at::Tensor& draft_q,
                                             const at::Tensor& draft_targets, const at::Tensor& uniforms);
+std::vector<at::Tensor> draft_children(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,
+                                       int64_t k, const at::Tensor& excluded, const at::Tensor& uniforms);
 
 // ---- training ------------------------------------------------------------------------------------------------
 // train_ops.cpp

@@ -489,3 +489,62 @@ std::vector<at::Tensor> accept_sampled_tree(const at::Tensor& tokens, const at::
   });
   return {torch::tensor(nodes, tokens.options()), torch::tensor({bonus}, tokens.options())};
 }
+
+// A sampling row's draft children at M expanded nodes (engine/sampled_tree.DraftSampler): per node, q = the draft's
+// distribution (softmax(logits / temperature), top_k > 0 and top_p < 1 filtered as target_probs does, the
+// `excluded` draft ids zeroed, normalised), the log of its k largest values (the children's scores by rank) and k
+// draws without replacement from q, each by its inverse CDF at one uniform (a drawn token's mass removed before the
+// next). logits [M, Vd] float32 / bfloat16; excluded [E] int64; uniforms [M, k] float64. Returns q [M, Vd] float32,
+// scores [M, k] float32 and draws [M, k] int64 (-1 with score -inf where q has fewer than k tokens left).
+std::vector<at::Tensor> draft_children(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,
+                                       int64_t k, const at::Tensor& excluded, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu(), "draft_children: logits must be a CPU [M, Vd]");
+  const int64_t M = logits.size(0), Vd = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= Vd, "draft_children: k must be in [1, ", Vd, "], got ", k);
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == M && uniforms.size(1) == k &&
+              uniforms.scalar_type() == at::kDouble, "draft_children: uniforms must be float64 [M, k]");
+  TORCH_CHECK(excluded.dim() == 1 && excluded.scalar_type() == at::kLong, "draft_children: excluded: int64 [E]");
+  TORCH_CHECK(temperature > 0, "draft_children: temperature must be > 0");
+  at::Tensor z = logits.contiguous(), ex = excluded.contiguous(), uu = uniforms.contiguous();
+  at::Tensor probs = at::empty({M, Vd}, logits.options().dtype(at::kFloat));
+  at::Tensor scores = at::empty({M, k}, logits.options().dtype(at::kFloat));
+  at::Tensor draws = at::empty({M, k}, logits.options().dtype(at::kLong));
+  const int64_t* exp_ = ex.data_ptr<int64_t>();
+  const int64_t E = ex.numel();
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(exp_[e] >= 0 && exp_[e] < Vd, "draft_children: excluded id ", exp_[e], " outside [0, ", Vd, ")");
+  const double* u = uu.data_ptr<double>();
+  float *qp = probs.data_ptr<float>(), *sp = scores.data_ptr<float>();
+  int64_t* dp = draws.data_ptr<int64_t>();
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  std::vector<float> w(Vd);
+  std::vector<double> block;
+  E3_DISPATCH(z.scalar_type(), "draft_children", [&] {
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* row = z.data_ptr<scalar_t>() + m * Vd;
+      float* q = qp + m * Vd;
+      double total = exp_row(row, Vd, row_max(row, Vd), inv_t, q);
+      if (top_k > 0 || top_p < 1.0) total = filter_top(q, Vd, top_k, top_p, total);
+      for (int64_t e = 0; e < E; ++e) { total -= q[exp_[e]]; q[exp_[e]] = 0.f; }
+      const float scale = total > 0 ? static_cast<float>(1.0 / total) : 0.f;
+      for (int64_t j = 0; j < Vd; ++j) q[j] *= scale;
+      std::vector<std::pair<float, int64_t>> best;                // the k largest q, largest first
+      for (int64_t j = 0; j < Vd; ++j) {
+        if (!(q[j] > 0.f) || (static_cast<int64_t>(best.size()) == k && q[j] <= best.back().first)) continue;
+        auto at = std::upper_bound(best.begin(), best.end(), std::make_pair(q[j], j),
+                                   [](const auto& x, const auto& y) { return x.first > y.first; });
+        best.insert(at, {q[j], j});
+        if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+      }
+      std::copy(q, q + Vd, w.begin());
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t d = i < static_cast<int64_t>(best.size()) ? draw_residual(w.data(), Vd, block, u[m * k + i], [] {})
+                                                                : -1;
+        dp[m * k + i] = d;
+        sp[m * k + i] = d >= 0 ? std::log(best[i].first) : -std::numeric_limits<float>::infinity();
+        if (d >= 0) w[d] = 0.f;
+      }
+    }
+  });
+  return {probs, scores, draws};
+}
