@@ -810,3 +810,30 @@ def test_any_seed_is_a_seed(live):
     b = httpx.post(live.url + "/v1/completions", json=body)
     assert a.status_code == 200, a.text
     assert [c["text"] for c in a.json()["choices"]] == [c["text"] for c in b.json()["choices"]]
+
+
+def test_the_server_loads_and_steps_its_engine_on_one_thread(folders, monkeypatch):
+    """build_state loads the models on the engine thread, and the scheduler's loop runs on that same thread (a second
+    thread running torch would start a second OpenMP team: a step 40% slower on 2 cores); a failing task reaches
+    whoever waits on it, and the thread goes on."""
+    import sglang_eagle3.engine.loader as loader_mod
+    from sglang_eagle3.engine.scheduler import Scheduler
+    from sglang_eagle3.serving.server import EngineThread
+    seen = {}
+    real_load, real_loop = loader_mod.load_engine, Scheduler.serve_forever
+    monkeypatch.setattr(loader_mod, "load_engine",
+                        lambda *a: seen.setdefault("load", threading.get_ident()) and real_load(*a))
+    monkeypatch.setattr(Scheduler, "serve_forever",
+                        lambda self: seen.setdefault("loop", threading.get_ident()) and real_loop(self))
+    target, _ = folders
+    state = build_state(target, Settings("float32", None, None, None, "test", max_running=1, max_queue=1, max_len=64))
+    state.start()
+    deadline = time.time() + 10
+    while "loop" not in seen and time.time() < deadline:
+        time.sleep(0.01)
+    state.stop()
+    assert seen["load"] == seen["loop"] != threading.get_ident()
+    worker = EngineThread()
+    with pytest.raises(ZeroDivisionError):
+        worker.submit(lambda: 1 / 0).result(timeout=10)
+    assert worker.submit(lambda: 6 * 7).result(timeout=10) == 42
