@@ -314,7 +314,7 @@ def serve_sglang(args, extra: list[str]) -> int:
 # ---- our engine -----------------------------------------------------------------------------------------
 def serve_builtin(args, extra: list[str]) -> int:
     from sglang_eagle3.models.testbed import resolve_target
-    from sglang_eagle3.serving.server import build_state, run_server
+    from sglang_eagle3.serving.server import EngineThread, build_state, run_server
     if extra:
         raise UserError(f"unknown flags for the builtin engine: {' '.join(extra)} (SGLang flags need --engine sglang)")
     apply_compile_arg(args)
@@ -325,9 +325,10 @@ def serve_builtin(args, extra: list[str]) -> int:
             print(f"eagle3 serve: {settings.source}", file=sys.stderr, flush=True)
         target = resolve_target(args.target)
         check_max_len(target, args.max_len)
+        engine_thread = EngineThread()                # every torch call of the server runs on it, the check's too
         if settings.draft and not args.skip_check:
-            run_draft_check(target, settings.draft)
-        state = build_state(target, settings, max_body_mb=args.max_body_mb)
+            engine_thread.submit(run_draft_check, target, settings.draft).result()
+        state = build_state(target, settings, max_body_mb=args.max_body_mb, engine_thread=engine_thread)
         how = settings.describe() + \
             (f"; adaptive speculation from {settings.profile.source}" if settings.profile else "")
         print(f"eagle3 serve: builtin engine, {how} ({settings.dtype})", file=sys.stderr, flush=True)

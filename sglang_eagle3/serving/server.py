@@ -574,11 +574,12 @@ class ServerErrors:
 
 # ---- building and running ---------------------------------------------------------------------------
 def build_state(target: str, settings: Settings, model_name: Optional[str] = None,
-                max_body_mb: Optional[float] = None) -> ServerState:
+                max_body_mb: Optional[float] = None, engine_thread: Optional[EngineThread] = None) -> ServerState:
     """The engine resolve_settings decided on, behind its scheduler (the settings' running and queue limits, their
-    KV slots per request); request bodies up to max_body_mb (default: default_body_limit)."""
+    KV slots per request); request bodies up to max_body_mb (default: default_body_limit). The models load on
+    engine_thread (default: a new EngineThread), which then runs the scheduler."""
     from sglang_eagle3.engine.loader import load_engine
-    worker = EngineThread()
+    worker = engine_thread or EngineThread()
     engine = worker.submit(load_engine, target, settings).result()
     context = engine.target.context_len
     max_len = settings.slots_per_request(context)
