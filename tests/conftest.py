@@ -136,3 +136,33 @@ def smollm2_path():
     if not is_ready(testbed_path()) and os.environ.get("EAGLE3_OFFLINE") == "1":
         pytest.skip("SmolLM2 testbed not prepared and EAGLE3_OFFLINE=1")
     return prepare()
+
+
+def force_ragged_trees(monkeypatch) -> list:
+    """Make every speculative step's rows take different tree sizes (each row at most the size it would have had,
+    varied by row and step), as one verify budget does: returns the list of the ragged steps' row sizes."""
+    from sglang_eagle3.engine.spec_worker import SpecWorker
+    real, seen = SpecWorker.row_sizes, []
+
+    def varied(self, batch, proposal, planner):
+        sizes = [max(1, min(n, 1 + (b + len(seen)) % (n + 1))) for b, n in enumerate(real(self, batch, proposal,
+                                                                                            planner))]
+        if len(set(sizes)) > 1:
+            seen.append(sizes)
+        return sizes
+    monkeypatch.setattr(SpecWorker, "row_sizes", varied)
+    return seen
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "step_choice: the engine's StepChoice decides for real (else: speculate)")
+
+
+@pytest.fixture(autouse=True)
+def always_speculate(request, monkeypatch):
+    """The engine's StepChoice runs plain steps where speculating delivered less in whole steps. On the tests' tiny
+    models proposals and drafts cost more than a forward, so it would turn speculation off and leave the trees the
+    tests check unexercised: it speculates always here, except in tests marked step_choice."""
+    if request.node.get_closest_marker("step_choice") is None:
+        from sglang_eagle3.engine.cost_model import StepChoice
+        monkeypatch.setattr(StepChoice, "speculates", lambda self, batch: True)

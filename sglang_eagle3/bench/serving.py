@@ -5,7 +5,10 @@ through the chat API, streaming, greedy by default) are sent with that many in f
 tokens/s and requests/s over the level's wall time, time to first token and inter-token latency (p50, p99;
 ITL = gaps between streamed chunks, divided among the tokens a chunk carries, as a speculative server sends
 several tokens at once), and the acceptance length the server reports (our `spec_stats`; SGLang's
-/server_info when that is what is running). Levels alternate between the servers to spread drift.
+/server_info when that is what is running). From our server's /metrics, per level: the share of rows whose tree
+held more than the root, the rows' mean tree size and the draft's share of the steps' time. Levels alternate
+between the servers to spread drift. `--temperature 0,default` sweeps greedy requests and requests that send no
+temperature (the server's default, OpenAI's 1.0) on the same servers, each level with its own prompts.
 
 --start builtin launches our server twice (vanilla: no draft; EAGLE-3: the draft with its speculation
 profile) on free local ports, runs the sweep and stops them. Outputs JSON, a Markdown table and a PNG.
@@ -39,6 +42,19 @@ def percentile(xs: list[float], q: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+async def sse_lines(response):
+    """The lines of an event stream, split at LF only (SSE's line end; CR LF too): text in an event may hold characters
+    that str.splitlines, and so httpx's aiter_lines, would also split at (U+2028, NEL)."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buffer:
+        yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: Optional[float],
                       ignore_eos: bool) -> dict:
     """One streamed chat request; temperature None leaves the field out (the server's default: OpenAI's 1.0)."""
@@ -56,7 +72,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")[:300]
                 return {"ok": False, "status": r.status_code, "error": text}
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 msg = json.loads(line[6:])
@@ -125,6 +141,41 @@ def server_model(url: str, what: str) -> str:
                         "should end in the API's /v1)") from None
 
 
+STEP_METRICS = {"eagle3_step_rows_total": "row_steps", "eagle3_speculated_rows_total": "speculated_rows",
+                "eagle3_verified_tokens_total": "verified_tokens", 'eagle3_step_seconds_total{part="draft"}': "draft_s",
+                'eagle3_step_seconds_total{part="verify"}': "verify_s"}
+
+
+def step_counters(url: str) -> Optional[dict]:
+    """Our server's decoding counters (GET /metrics, STEP_METRICS); None where the server has no such metrics
+    (another engine)."""
+    import httpx
+    try:
+        r = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    for line in r.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in STEP_METRICS:
+            found[STEP_METRICS[name]] = float(value)
+    return found if len(found) == len(STEP_METRICS) else None
+
+
+def step_shares(before: Optional[dict], after: Optional[dict]) -> dict:
+    """What a level's decoding steps did, from the counters before and after it: the share of rows that speculated
+    (a tree of more than the root), the rows' mean tree size (the root included) and the draft's share of the
+    steps' seconds (proposing, sizing and the draft model, against the verifies). None where not reported."""
+    if before is None or after is None:
+        return {"speculated_share": None, "mean_tree": None, "draft_share": None}
+    d = {k: after[k] - before[k] for k in STEP_METRICS.values()}
+    return {"speculated_share": report.safe_div(d["speculated_rows"], d["row_steps"]),
+            "mean_tree": report.safe_div(d["verified_tokens"], d["row_steps"]),
+            "draft_share": report.safe_div(d["draft_s"], d["draft_s"] + d["verify_s"])}
+
+
 def check_warm_up(server: dict, level: dict) -> None:
     """A server that failed every warm-up request would fail the sweep's too (a model it does not serve, a
     --max-tokens over its context): one line with the first error instead of a table of zeros."""
@@ -175,15 +226,17 @@ class LocalServer:
 
 
 # ---- outputs ------------------------------------------------------------------------------------
-def table(result: dict) -> str:
+def table(result: dict, temperature: str) -> str:
+    """The Markdown table of one temperature's levels (temperature: its key in result["levels"][server])."""
     names = [s["name"] for s in result["servers"]]
     base, others = names[0], names[1:]
     head = ["concurrency"] + [f"{n} tok/s" for n in names] + [f"{n}/{base}" for n in others] + \
         [f"{n} req/s" for n in names] + [f"{n} TTFT p50/p99 ms" for n in names] + \
-        [f"{n} ITL p50/p99 ms" for n in names] + [f"{n} accept len" for n in others]
+        [f"{n} ITL p50/p99 ms" for n in names] + [f"{n} accept len" for n in others] + \
+        [f"{n} speculated rows / mean tree / draft share" for n in others]
     rows = []
     for c in result["concurrency"]:
-        lv = {n: result["levels"][n][str(c)] for n in names}
+        lv = {n: result["levels"][n][temperature][str(c)] for n in names}
         ms = lambda a, b: f"{a * 1e3:.0f} / {b * 1e3:.0f}" if a is not None and b is not None else "-"  # noqa: E731
         row = [str(c)] + [f"{lv[n]['output_tokens_per_s']:.1f}" for n in names]
         row += [report.fmt_speedup(report.safe_div(lv[n]["output_tokens_per_s"], lv[base]["output_tokens_per_s"]))
@@ -192,27 +245,44 @@ def table(result: dict) -> str:
         row += [ms(lv[n]["ttft_p50_s"], lv[n]["ttft_p99_s"]) for n in names]
         row += [ms(lv[n]["itl_p50_s"], lv[n]["itl_p99_s"]) for n in names]
         row += [f"{lv[n]['accept_length']:.2f}" if lv[n]["accept_length"] else "-" for n in others]
+        row += [steps_text(lv[n].get("steps") or {}) for n in others]
         rows.append(row)
     return report.format_table(head, rows)
 
 
+def steps_text(steps: dict) -> str:
+    if steps.get("speculated_share") is None:
+        return "-"
+    return f"{steps['speculated_share']:.0%} / {steps['mean_tree']:.2f} / {steps['draft_share']:.0%}"
+
+
+def speedups(result: dict, temperature: str, other: str) -> list[Optional[float]]:
+    base = result["servers"][0]["name"]
+    lv = result["levels"]
+    return [report.safe_div(lv[other][temperature][str(c)]["output_tokens_per_s"],
+                            lv[base][temperature][str(c)]["output_tokens_per_s"]) for c in result["concurrency"]]
+
+
 def plot(result: dict, path: str) -> str:
+    """Per temperature: output tokens/s of each server and each server's speed-up over the first, by concurrency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     cs = result["concurrency"]
-    for s in result["servers"]:
-        lv = [result["levels"][s["name"]][str(c)] for c in cs]
-        ax[0].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=s["name"])
-        ax[1].plot(cs, [(x["ttft_p50_s"] or 0) * 1e3 for x in lv], "o-", label=f"{s['name']} p50")
-        ax[1].plot(cs, [(x["ttft_p99_s"] or 0) * 1e3 for x in lv], "x--", label=f"{s['name']} p99")
-        ax[2].plot(cs, [(x["itl_p50_s"] or 0) * 1e3 for x in lv], "o-", label=f"{s['name']} p50")
-        ax[2].plot(cs, [(x["itl_p99_s"] or 0) * 1e3 for x in lv], "x--", label=f"{s['name']} p99")
-    for a, t in zip(ax, ["output tokens/s", "time to first token (ms)", "inter-token latency (ms)"]):
+    for t in result["temperatures"]:
+        for s in result["servers"]:
+            lv = [result["levels"][s["name"]][t][str(c)] for c in cs]
+            ax[0].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=f"{s['name']}, T={t}")
+            ax[2].plot(cs, [(x["itl_p50_s"] or 0) * 1e3 for x in lv], "o-", label=f"{s['name']}, T={t}")
+        for s in result["servers"][1:]:
+            ax[1].plot(cs, [r or 0 for r in speedups(result, t, s["name"])], "o-", label=f"{s['name']}, T={t}")
+    ax[1].axhline(1.0, color="grey", lw=0.8)
+    for a, title in zip(ax, ["output tokens/s", f"speed-up over {result['servers'][0]['name']}",
+                             "inter-token latency p50 (ms)"]):
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrency")
-        a.set_title(t)
+        a.set_title(title)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.suptitle(result.get("title", "serving benchmark"), fontsize=9)
@@ -245,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default=DEFAULT_LEVELS)
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=request_temperature, default=0.0,
+    p.add_argument("--temperature", type=request_temperatures, default=[0.0],
                    help="sent with every request (default 0); `default`: left out, as most clients do, so the "
-                        "server's default applies (OpenAI's 1.0)")
+                        "server's default applies (OpenAI's 1.0). A comma list (e.g. 0,0.7,default) sweeps each on the "
+                        "same servers, side by side")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take (default 1800)")
     p.add_argument("--beside", default="idle", choices=LOADS,
@@ -267,8 +338,18 @@ def request_temperature(text: str) -> Optional[float]:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'default', got {text!r}") from None
 
 
+def request_temperatures(text: str) -> list[Optional[float]]:
+    """--temperature: a comma list of request_temperature values."""
+    return [request_temperature(t.strip()) for t in text.split(",")]
+
+
 def temperature_text(temperature: Optional[float]) -> str:
     return "server default (none sent)" if temperature is None else f"{temperature:g}"
+
+
+def temperature_key(temperature: Optional[float]) -> str:
+    """A temperature's key in the result's levels: its value, or `default`."""
+    return "default" if temperature is None else f"{temperature:g}"
 
 
 def load_prompt_texts(data: Optional[str], datasets: str) -> list[str]:
@@ -295,8 +376,11 @@ def level_prompts(prompts: list[str], sizes: list[int], warm: int) -> list[list[
 def run(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_at_least(1, flags_of(a, "requests", "max_tokens", "max_running"))
-    if a.temperature is not None:
-        check_at_least(0, flags_of(a, "temperature"))
+    if any(t is not None and not t >= 0 for t in a.temperature):
+        raise UserError(f"--temperature must be >= 0 (or default), got {','.join(map(str, a.temperature))}")
+    keys = [temperature_key(t) for t in a.temperature]
+    if len(set(keys)) < len(keys):
+        raise UserError(f"--temperature names a temperature twice: {','.join(keys)}")
     if not a.timeout > 0:
         raise UserError(f"--timeout must be > 0, got {a.timeout:g}")
     try:
@@ -334,39 +418,48 @@ def run(argv=None) -> int:
             for s in servers:
                 s["model"] = server_model(s["url"], f"the {s['name']} server started here")
         load = start_busy(a.beside, a.target if a.start else "testbed", a.dtype)
-        result = {"format": "sglang_eagle3.bench_serving/1", "servers": servers, "concurrency": levels,
-                  "max_tokens": a.max_tokens, "temperature": a.temperature, "datasets": a.datasets,   # None: not sent
+        temps = ", ".join(temperature_text(t) for t in a.temperature)
+        result = {"format": "sglang_eagle3.bench_serving/2", "servers": servers, "concurrency": levels,
+                  "max_tokens": a.max_tokens, "temperatures": keys, "datasets": a.datasets,   # "default": none sent
                   "beside": a.beside,
-                  "levels": {s["name"]: {} for s in servers}, "meta": report.run_metadata(),
+                  "levels": {s["name"]: {k: {} for k in keys} for s in servers}, "meta": report.run_metadata(),
                   "title": f"{servers[0]['model']}: " + " vs ".join(s["name"] for s in servers) +
-                           f", max_tokens {a.max_tokens}, T={temperature_text(a.temperature)}"
+                           f", max_tokens {a.max_tokens}, T={temps}"
                            + ("" if a.beside == "idle" else f", beside {LOAD_TEXT[a.beside]}")}
         warm = max(4, 2 * levels[0])
         for s in servers:          # warm-up: a full first level, not kept (a cold server is not a steady state)
             check_warm_up(s, asyncio.run(run_level(s["url"], s["model"], prompts[::-1][:warm], levels[0], warm,
-                                                   a.max_tokens, a.temperature, a.ignore_eos, a.timeout)))
-        batches = level_prompts(prompts, [a.requests or max(16, 2 * c) for c in levels], warm)
+                                                   a.max_tokens, a.temperature[0], a.ignore_eos, a.timeout)))
+        sizes = [a.requests or max(16, 2 * c) for c in levels]
+        batches = level_prompts(prompts, sizes * len(keys), warm)       # every level of every temperature its own
         result["prompts_repeated"] = sum(len(b) for b in batches) + warm > len(prompts)
-        for c, batch in zip(levels, batches):
-            order = servers if levels.index(c) % 2 == 0 else servers[::-1]
-            for s in order:
-                lv = asyncio.run(run_level(s["url"], s["model"], batch, c, len(batch), a.max_tokens, a.temperature,
-                                           a.ignore_eos, a.timeout))
-                result["levels"][s["name"]][str(c)] = lv
-                print(f"{s['name']:>10} concurrency {c:>3}: {lv['output_tokens_per_s']:8.1f} tok/s, "
-                      f"{lv['completed']}/{lv['requests']} ok, accept {lv['accept_length'] or 0:.2f}",
-                      file=sys.stderr, flush=True)
-            report.write_json_atomic(a.out, result)
+        for i, (temperature, key) in enumerate(zip(a.temperature, keys)):
+            for j, c in enumerate(levels):
+                batch = batches[i * len(levels) + j]
+                order = servers if j % 2 == 0 else servers[::-1]
+                for s in order:
+                    before = step_counters(s["url"])
+                    lv = asyncio.run(run_level(s["url"], s["model"], batch, c, len(batch), a.max_tokens, temperature,
+                                               a.ignore_eos, a.timeout))
+                    lv["steps"] = step_shares(before, step_counters(s["url"]))
+                    result["levels"][s["name"]][key][str(c)] = lv
+                    print(f"{s['name']:>10} T={key} concurrency {c:>3}: {lv['output_tokens_per_s']:8.1f} tok/s, "
+                          f"{lv['completed']}/{lv['requests']} ok, accept {lv['accept_length'] or 0:.2f}, "
+                          f"steps {steps_text(lv['steps'])}", file=sys.stderr, flush=True)
+                report.write_json_atomic(a.out, result)
     finally:
         stop_busy(load)
         for srv in started:
             srv.stop()
-    text = f"{result['title']}\n\n{table(result)}\n"
-    for other in servers[1:]:
-        ratios = [report.safe_div(result["levels"][other["name"]][str(c)]["output_tokens_per_s"],
-                                  result["levels"][servers[0]["name"]][str(c)]["output_tokens_per_s"]) for c in levels]
-        text += (f"\n{other['name']} / {servers[0]['name']} output tokens/s: "
-                 + ", ".join(f"{c}: {report.fmt_speedup(r)}" for c, r in zip(levels, ratios)) + "\n")
+    text = f"{result['title']}\n"
+    for key in keys:
+        text += f"\nT={key}" + (" (none sent: the server's default)" if key == "default" else "") + \
+            f"\n\n{table(result, key)}\n"
+        for other in servers[1:]:
+            text += (f"\n{other['name']} / {servers[0]['name']} output tokens/s at T={key}: "
+                     + ", ".join(f"{c}: {report.fmt_speedup(r)}" for c, r in zip(levels,
+                                                                                speedups(result, key, other["name"])))
+                     + "\n")
     md = report.write_text_atomic(report.sibling(a.out, ".md"), text)
     png = plot(result, report.sibling(a.out, ".png"))
     print(text)

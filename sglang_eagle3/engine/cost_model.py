@@ -3,7 +3,9 @@
 A speculative step emits 1 + (accepted draft tokens) per row and costs a draft (zero for context proposals) plus one
 target forward over the tree. With each candidate node's chance to be accepted (the draft's path probability, or
 the calibrated chance of a context continuation), the expected tokens of the N best nodes are 1 + the sum of their
-chances, and `choose_tree_size` picks the N (1: no speculation) that maximises expected tokens per second.
+chances, `choose_row_sizes` gives each row the tree size that maximises the batch's expected tokens per second: the
+rows' candidates compete for one verify by their chances, so a row in a long quotation gets many nodes, a row writing
+free text none (1: the root alone), and a ragged verify computes just those.
 
 The costs are measured on the machine that decodes (`MeasuredCosts`: target forwards, a batch size's row the first
 time a step runs at it, within a time budget; cached per machine, kernel build, model and dtype) and kept up to date
@@ -150,23 +152,32 @@ class StepCosts:
                    _seconds_table("draft_extend", d.get("draft_extend", {})), source)
 
 
-def choose_tree_size(scores: list[list[float]], costs: StepCosts, batch: int, max_nodes: int, draft_s: float = 0.0,
-                     context: int = CONTEXTS[0], scale: float = 1.0) -> tuple[int, float, float]:
-    """scores: per row, its candidates' log acceptance chances, best first (the order the tree takes them in).
-    -> (N, expected tokens, expected seconds) of the tree size N in 1..max_nodes (N - 1 candidates per row, the root
-    included in N) with the most expected tokens per second; N = 1 is one token per row, no speculation. draft_s:
-    seconds already spent drafting this step (counted at every N: the rate is the step's). scale: each chance is
-    read as min(1, scale * chance) (the planner's calibration)."""
-    cap = min(max_nodes, 1 + min((len(s) for s in scores), default=0))
-    chances = [[min(1.0, scale * math.exp(x)) for x in s[:cap - 1]] for s in scores]
-    best = (1, float(batch), draft_s + costs.verify_s(batch, 1, context))
+def choose_row_sizes(scores: list[list[float]], costs: StepCosts, batch: int, max_nodes: int, draft_s: float = 0.0,
+                     context: int = CONTEXTS[0], scale: float = 1.0) -> tuple[list[int], float, float]:
+    """One verify budget for the whole batch: each row its own tree size. scores: per row, its candidates' log
+    acceptance chances, best first (the order its tree takes them in; rows hold different numbers of them); each chance
+    is read as min(1, scale * chance) (the planner's calibration); draft_s: seconds already spent drafting this step
+    (counted at every size: the rate is the step's). The batch's candidates join in order of their chance (each row's
+    best first), each adding its chance to the expected tokens and its token to the verify, which costs what a
+    verify of that many tokens costs at this batch size (costs.verify_s at the rows' mean size; a ragged verify
+    computes no padding). -> (per row its size in 1..max_nodes, expected tokens, expected seconds) at the number of
+    candidates with the most expected tokens per second: all rows at 1 is no speculation."""
+    per_row = max(0, max_nodes - 1)
+    joined = sorted(((min(1.0, scale * math.exp(x)), b) for b, s in enumerate(scores) for x in s[:per_row]),
+                    key=lambda c: -c[0])                       # stable: each row's candidates stay best first
+    verify = [costs.verify_s(batch, n, context) for n in range(1, max_nodes + 1)]   # [n - 1]: n nodes per row
+    best_m, best_tokens, best_s = 0, float(batch), draft_s + verify[0]
     tokens = float(batch)
-    for n in range(2, cap + 1):
-        tokens += sum(c[n - 2] for c in chances)
-        seconds = draft_s + costs.verify_s(batch, n, context)
-        if tokens / seconds > best[1] / best[2]:
-            best = (n, tokens, seconds)
-    return best
+    for m, (chance, _) in enumerate(joined, 1):
+        tokens += chance
+        whole, part = divmod(m, batch)                         # mean size 1 + m / batch, between two rows' sizes
+        seconds = draft_s + verify[whole] + (part / batch) * (verify[min(whole + 1, max_nodes - 1)] - verify[whole])
+        if tokens * best_s > best_tokens * seconds:
+            best_m, best_tokens, best_s = m, tokens, seconds
+    sizes = [1] * batch
+    for _, b in joined[:best_m]:
+        sizes[b] += 1
+    return sizes, best_tokens, best_s
 
 
 # ---- the per-step decision ------------------------------------------------------------------------------
@@ -190,9 +201,12 @@ class TreePlanner:
         self.costs, self.max_nodes, self.has_draft = costs, max_nodes, has_draft
         self.verify_factor: dict[int, float] = {}     # batch -> observed / predicted verify seconds
         self.draft_rate: dict[int, float] = {}        # batch -> tokens/s drafted steps delivered lately
+        self.step_factor: dict[int, float] = {}       # batch -> a root-only undrafted step's seconds over its
+                                                      # predicted verify (what a whole step costs beyond its forward)
         self.undrafted: dict[int, int] = {}           # batch -> steps since the draft last ran at it
         self.idle: dict[int, int] = {}                # batch -> steps in a row that verified the root alone
         self.steps = {"draft": 0, "context": 0, "none": 0}
+        self.choice = StepChoice()                    # speculate at all this step, or run a plain one
         # sampled steps: accepted draft tokens over the sum of their nodes' chances, both averaged (EMA); greedy
         # steps read the chances as they are
         self.chance_scale, self.accepted_avg, self.expected_avg = 1.0, None, None
@@ -215,15 +229,17 @@ class TreePlanner:
         return self.costs.verify_s(batch, nodes, context) * (self._bucket(self.verify_factor, batch) or 1.0)
 
     def size(self, scores: list[list[float]], batch: int, context: int, draft_s: float = 0.0,
-             sampled: bool = False) -> tuple[int, float]:
-        """The tree size (1 = the root alone) and its predicted tokens per second. sampled: a step with sampling rows,
-        whose chances (the sampled children's rank scores) are read through the calibration its verifies learn."""
+             sampled: bool = False) -> tuple[list[int], float]:
+        """Each row's tree size (1 = the root alone; one verify budget for the batch, choose_row_sizes) and their
+        predicted tokens per second. sampled: a step with sampling rows, whose chances (the sampled children's rank
+        scores) are read through the calibration its verifies learn."""
         scale = self.chance_scale if sampled else 1.0
-        n, tokens, seconds = choose_tree_size(scores, self, batch, self.max_nodes, draft_s, context, scale)
-        self.expected = sum(math.exp(x) for s in scores for x in s[:n - 1]) if sampled and n > 1 else None
-        if sampled and n == 1 and self.expected_avg is not None:
+        sizes, tokens, seconds = choose_row_sizes(scores, self, batch, self.max_nodes, draft_s, context, scale)
+        chosen = sum(math.exp(x) for s, n in zip(scores, sizes) for x in s[:n - 1])
+        self.expected = chosen if sampled and max(sizes) > 1 else None
+        if sampled and max(sizes) == 1 and self.expected_avg is not None:
             self.relax_chance_scale()
-        return n, tokens / seconds
+        return sizes, tokens / seconds
 
     def relax_chance_scale(self) -> None:
         """A sampled step that verifies the root alone teaches the calibration nothing; without this a low stretch
@@ -233,8 +249,10 @@ class TreePlanner:
         self.accepted_avg = self.chance_scale * self.expected_avg
 
     def wants_draft(self, context_scores: Optional[list[list[float]]], batch: int, context: int) -> bool:
-        """Run the draft this step? Always while its rate is unknown; else when its recent drafted trees promised
-        more tokens per second than the context's proposals alone (or than no speculation) do now."""
+        """Run the draft this step? Always while its rate is unknown; else when its recent drafted steps delivered
+        more tokens per second than the context's proposals alone (or than no speculation) promise now. Both are
+        whole steps' rates: the draft's is observed so, the others' predicted forwards are scaled by what root-only
+        steps took over their forwards (step_factor: acceptance, commit, bookkeeping)."""
         if not self.has_draft:
             return False
         rate = self._bucket(self.draft_rate, batch)
@@ -242,6 +260,7 @@ class TreePlanner:
             return True
         alone = self.size(context_scores, batch, context)[1] if context_scores else \
             batch / self.verify_s(batch, 1, context)
+        alone /= self._bucket(self.step_factor, batch) or 1.0   # as whole steps deliver it, like the draft's rate
         if rate > alone:
             return True
         self.undrafted[batch] = self.undrafted.get(batch, 0) + 1
@@ -249,6 +268,11 @@ class TreePlanner:
             return False
         self.undrafted[batch] = 0                                # measure the draft's rate again now and then
         return True
+
+    def speculates(self, batch: int) -> bool:
+        """Speculate this step at all (look up proposals, maybe draft, size a tree), or run a plain step
+        (StepChoice: whichever delivered more tokens per second lately at this batch size)."""
+        return self.choice.speculates(batch)
 
     def wants_proposals(self, batch: int) -> bool:
         """Look up the context's proposals this step? Not on most steps of a stretch where nothing was speculated
@@ -269,7 +293,13 @@ class TreePlanner:
         self.expected = None
         if step.forward_s is not None:
             self.observe_verify(step.batch, step.nodes, step.context, step.forward_s)
-        self.observe_step(step.batch, step.drafted, step.tokens, step.times.draft + step.times.verify)
+        seconds = step.times.draft + step.times.verify
+        self.choice.observe(step.batch, step.tokens, seconds)     # owed work included: switching costs it
+        if not step.drafted and step.nodes <= 1 and seconds > 0:
+            self._ema(self.step_factor, step.batch, seconds / self.verify_s(step.batch, 1, step.context))
+        # a drafted step's rate without the extend work earlier undrafted steps left to it: drafting every step
+        # would have spread that work over them
+        self.observe_step(step.batch, step.drafted, step.tokens, seconds - step.owed_s)
 
     def observe_size(self, batch: int, nodes: int, drafted: bool) -> None:
         """A step's tree: the root alone and no draft counts toward an idle stretch, anything else ends it."""
@@ -300,6 +330,77 @@ class TreePlanner:
     def _ema(self, table: dict, key: int, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.EMA) * old + self.EMA * value
+
+
+class StepChoice:
+    """Per batch size: speculate (proposals, the draft, a tree) or run plain steps (the root alone, nothing looked
+    up), whichever delivered more tokens per second in whole steps lately: each choice's emitted tokens over its
+    seconds, both sums decayed per step it ran (a ratio of sums: one speculative step emits 1 to 8 tokens a row, and
+    an average of per-step rates would follow that noise). On a 2-core CPU a large batch's verify is compute-bound,
+    and there proposals and the draft can cost more than they yield; a plain step is what vanilla decoding runs.
+
+    Each choice is tried first. Then the other one runs for EXPLORE_STEPS steps every `every` steps, so a change
+    (longer contexts, another mix of requests) is seen; `every` doubles (up to EVERY_MAX) each time such a try
+    confirms the choice, and falls back to EVERY_MIN when it changes it. The first step after a switch is not
+    counted: a speculating step after plain ones also runs the draft over all they held back, a cost of switching,
+    not of speculating."""
+
+    DECAY = 0.9               # per counted step of a choice
+    EVERY_MIN, EVERY_MAX = 32, 512
+    EXPLORE_STEPS = 2
+
+    def __init__(self):
+        self.sums: dict[int, dict[bool, list[float]]] = {}   # batch -> {speculated: [tokens, seconds]}
+        self.state: dict[int, dict] = {}                       # batch -> its schedule (below)
+        self.chosen: Optional[tuple[int, bool, bool]] = None   # (batch, speculates, counted) of the step under way
+
+    def rate(self, batch: int, speculated: bool) -> Optional[float]:
+        s = self.sums.get(batch, {}).get(speculated)
+        return s[0] / s[1] if s and s[1] > 0 else None
+
+    def best(self, batch: int) -> bool:
+        yes, no = self.rate(batch, True), self.rate(batch, False)
+        return True if no is None else False if yes is None else yes >= no
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes share their choice within powers of two (1, 2, 3-4, 5-8, ...): a batch that grows or drains
+        one request at a time would otherwise try both choices afresh at every size."""
+        return 1 << (batch - 1).bit_length()
+
+    def speculates(self, batch: int) -> bool:
+        batch = self.bucket(batch)
+        st = self.state.setdefault(batch, {"n": 0, "every": self.EVERY_MIN, "explore": 0, "last": None,
+                                           "before": None})
+        st["n"] += 1
+        sums = self.sums.setdefault(batch, {})
+        if len(sums) < 2 and st["explore"] == 0:              # each choice first, speculating first
+            choice = True not in sums
+        elif st["explore"] > 0:
+            choice = not st["before"]
+        else:
+            choice = self.best(batch)
+            if st["before"] is not None:                      # a try just ended: did it change the choice?
+                st["every"] = self.EVERY_MIN if choice != st["before"] else min(self.EVERY_MAX, 2 * st["every"])
+                st["before"] = None
+            if st["n"] % st["every"] == 0:                    # try the other one
+                st["before"], st["explore"] = choice, self.EXPLORE_STEPS
+                choice = not choice
+        if st["explore"] > 0:
+            st["explore"] -= 1
+        counted = st["last"] == choice                        # not the first step after a switch
+        st["last"] = choice
+        self.chosen = (batch, choice, counted or choice not in sums)
+        return choice
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        """The step under way finished: its emitted tokens, all rows, and its seconds."""
+        chosen, self.chosen = self.chosen, None
+        batch = self.bucket(batch)
+        if chosen is None or chosen[0] != batch or seconds <= 0 or not chosen[2]:
+            return
+        old = self.sums[batch].get(chosen[1], [0.0, 0.0])
+        self.sums[batch][chosen[1]] = [self.DECAY * old[0] + tokens, self.DECAY * old[1] + seconds]
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------

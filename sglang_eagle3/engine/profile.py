@@ -104,12 +104,15 @@ class SpecProfile:
         below = [k for k in keys if k <= batch_size]
         return below[-1] if below else keys[0]
 
-    def _routed(self, sampled: bool, context: int) -> Optional["SpecProfile"]:
+    def _routed(self, sampled: bool, context: int, batch_size: int) -> Optional["SpecProfile"]:
         """The table a step uses instead of this one: the sampled table for a step with a sampling request (where
-        the profile has one), else the long-context table once the step's longest row holds enough tokens."""
+        the profile has one), else the long-context table once the step's longest row holds enough tokens, at the
+        batch sizes it measured (up to its largest: past it, one long row would otherwise give every row of a large
+        batch the long-context tree of batch 1)."""
         if sampled and self.sampled is not None:
             return self.sampled
-        if self.long_context is not None and context >= self.long_context[0]:
+        if self.long_context is not None and context >= self.long_context[0] \
+                and batch_size <= max(self.long_context[1].table):
             return self.long_context[1]
         return None
 
@@ -117,12 +120,12 @@ class SpecProfile:
         """The tree to run at this batch size, or None where vanilla decoding measured faster; sampled: a step
         with a sampling request (the sampled table where the profile has one); context: the tokens the step's
         longest row holds (the long-context table from its min_tokens on)."""
-        other = self._routed(sampled, context)
+        other = self._routed(sampled, context, batch_size)
         return other.for_batch_size(batch_size) if other is not None else self.table[self._key(batch_size)]
 
     def measured_tree(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
         """The tree to measure speculation with: the chosen one, else the fastest tree tried (vanilla won)."""
-        other = self._routed(sampled, context)
+        other = self._routed(sampled, context, batch_size)
         if other is not None:
             return other.measured_tree(batch_size)
         key = self._key(batch_size)

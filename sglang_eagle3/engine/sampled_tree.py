@@ -212,7 +212,13 @@ class DraftSampler:
         first, slots = self.used == 0, torch.arange(self.used, self.used + M, device=logits.device)
         if self.used + M > self.num_slots:
             raise ValueError(f"{self.used + M} expanded nodes per row, room for {self.num_slots}")
-        scores, ids = K.topk_logprobs(logits, k)                                   # greedy rows' children
+        scores = torch.empty(B, M, k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(B, M, k, dtype=torch.long, device=logits.device)
+        greedy = [b for b, s in enumerate(self.sampled) if not s]
+        if greedy:                                                                 # greedy rows' children
+            at = torch.tensor(greedy, device=logits.device)
+            top, top_ids = K.topk_logprobs(logits[at], k)
+            scores[at], ids[at] = top.float(), top_ids.long()
         drawn_from = torch.full((B, M, k), -1, dtype=torch.long, device=logits.device)
         for b in (b for b, s in enumerate(self.sampled) if s):
             excluded = self.excluded[b] if first and b < len(self.excluded) else []

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, load_or_measure_costs
+from sglang_eagle3.engine.cost_model import StepChoice, StepCosts, TreePlanner, load_or_measure_costs
 from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.spec_worker import MAX_CONTEXT_NODES, SpecWorker, StepTimes
 from sglang_eagle3.engine.speculation import SpecConfig
@@ -107,6 +107,9 @@ class SchedulerStats:
     drafted_steps: int = 0         # steps the draft model ran in
     tree_nodes: int = 0            # sum over steps of the tokens per row each verify ran
     context_tokens: int = 0        # accepted tokens that the context alone proposed
+    row_steps: int = 0             # rows over all steps (a step of 4 rows counts 4)
+    speculated_rows: int = 0       # among them, rows whose tree held more than the root
+    verified_nodes: int = 0        # nodes the verifies computed, all rows (a row's tree, the root included)
 
 
 def tree_slots(settings: Settings, has_draft: bool) -> int:
@@ -168,6 +171,9 @@ class Scheduler:
         if self.planner is None and drafting.tree == "auto" and (draft is not None or self.context is not None):
             costs = costs or load_or_measure_costs(target, max_running, drafting.max_nodes)
             self.planner = TreePlanner(costs, drafting.max_nodes, draft is not None)
+        # a fixed tree's greedy steps: speculate or run plain, whichever delivers more lately (the planner has its own)
+        self.choice = StepChoice() if self.planner is None and (draft is not None or self.context is not None) \
+            else None
         self.max_running, self.max_len, self.max_queue = max_running, max_len, max_queue
         self.eos_ids = eos_ids
         self.free_rows = list(range(max_running - 1, -1, -1))
@@ -220,8 +226,12 @@ class Scheduler:
         return not self.has_work() and len(self.free_rows) == self.max_running
 
     def load(self) -> dict:
+        """What /metrics reports: the queue now, and the decoding steps' counters since the start."""
+        st = self.stats
         return {"running": len(self.running), "waiting": len(self.waiting), "free_rows": len(self.free_rows),
-                "max_running": self.max_running}
+                "max_running": self.max_running, "steps": st.steps, "row_steps": st.row_steps,
+                "speculated_rows": st.speculated_rows, "verified_nodes": st.verified_nodes,
+                "draft_seconds": st.times.draft, "verify_seconds": st.times.verify}
 
     # ---- the loop ------------------------------------------------------------------------------
     def spec_for(self, batch_size: int, sampled: bool = False, context: int = 0) -> Optional[SpecConfig]:
@@ -247,9 +257,16 @@ class Scheduler:
             context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
             if self.planner is not None:
                 self.planner.prepare(len(active))          # this batch size's costs: measured the first time
+            spec, proposer = self.spec_for(len(active), not all(r.params.greedy for r in active), context), self.context
+            # only all-greedy steps may go plain: a seeded sampling request's draws must not depend on timings
+            chosen = self.choice is not None and all(r.params.greedy for r in active) and \
+                (spec is not None or proposer is not None)
+            if chosen and not self.choice.speculates(len(active)):
+                spec, proposer = None, None
             res = self.worker.step([r.row for r in active], [r.params for r in active], [r.generator for r in active],
-                                   self.spec_for(len(active), not all(r.params.greedy for r in active), context),
-                                   [r.rid for r in active], context, self.context, self.planner)
+                                   spec, [r.rid for r in active], context, proposer, self.planner)
+            if chosen:
+                self.choice.observe(len(active), sum(map(len, res.emitted)), res.times.draft + res.times.verify)
             self._count(res)
             for req, tokens, logprobs, from_context in zip(active, res.emitted, res.logprobs, res.from_context):
                 kept = self._emit(req, tokens, logprobs)
@@ -264,6 +281,9 @@ class Scheduler:
         st.times.add(res.times)
         st.drafted_steps += int(res.drafted)
         st.tree_nodes += res.nodes
+        st.row_steps += len(res.row_nodes)
+        st.speculated_rows += sum(n > 1 for n in res.row_nodes)
+        st.verified_nodes += sum(res.row_nodes)
 
     def _admit(self) -> None:
         while self.free_rows:

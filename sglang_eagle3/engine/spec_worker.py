@@ -2,9 +2,12 @@
 
 A step (SpecWorker.step), for rows at root token x_n (the last verified token of each request):
   propose: the context's chains (suffix.ContextDrafter), then the draft's candidates from its state at position n-1
-           (DraftProposer), merged; the planner (--tree auto) decides whether the draft runs
-  plan:    the tree to verify: the best candidates, their number decided in one place (tree_size)
-  verify:  one target forward over every row's tree with its ancestor mask; acceptance (a greedy walk as tensor
+           (DraftProposer), merged; the planner (--tree auto) decides whether the step speculates at all and
+           whether the draft runs
+  plan:    the tree to verify: each row's best candidates, how many decided in one place (row_sizes; under --tree
+           auto one verify budget for the batch, so rows differ and the tree is ragged)
+  verify:  one target forward over every row's tree with its ancestor mask (a ragged tree's padding not computed
+           where csrc's layers run); acceptance (a greedy walk as tensor
            maths, or lossless tree sampling: verify.py); the accepted KV slots kept, the roots moved
   commit:  each proposer's hook: the draft holds the accepted pairs for its next extend, the context learns
 Then its observers (the planner) see the step's record once. Without proposals the tree is the root alone: one
@@ -35,6 +38,7 @@ from sglang_eagle3.engine.tree import (
     DraftTree,
     build_draft_tree,
     chosen_candidates,
+    gather_candidates,
     merge_candidates,
     root_only_tree,
     sorted_scores,
@@ -69,6 +73,7 @@ class Proposal:
     drafted: bool = False               # the draft ran
     draft_s: float = 0.0                # its seconds (the planner counts them in the step's rate)
     with_context: bool = False          # the context's are among them (the tree tells them apart)
+    owed_s: float = 0.0                 # of draft_s, the extend work earlier steps held back (DraftProposer.owed_s)
 
 
 @dataclass
@@ -79,6 +84,10 @@ class StepPlan:
     drafted: bool
     draws: Optional[SampledDraws] = None   # the sampled children's q (None: no row sampled its children)
 
+    def row_nodes(self, batch: int) -> list[int]:
+        """Per row, the nodes its tree has (the root included)."""
+        return self.tree.row_nodes.tolist() if self.tree.row_nodes is not None else [self.tree.num_nodes] * batch
+
 
 @dataclass
 class StepResult:
@@ -86,10 +95,12 @@ class StepResult:
     emitted: list[list[int]]            # tokens per row, in order (accepted draft tokens, then the bonus token)
     times: StepTimes = field(default_factory=StepTimes)
     logprobs: list[Optional[list[TokenLogprob]]] = field(default_factory=list)   # per row, rows that asked for them
-    nodes: int = 1                      # tokens per row the verify ran (tree size, the root included)
+    nodes: int = 1                      # tokens per row the verify's layout held (the largest tree, the root included)
     drafted: bool = False               # the draft ran this step
     from_context: list[list[bool]] = field(default_factory=list)   # per row, its accepted draft tokens in order:
                                                                    # proposed by the context alone
+    row_nodes: list[int] = field(default_factory=list)   # per row, its tree's nodes (the root included): what the
+                                                         # verify computed for it
 
 
 class SpecWorker:
@@ -163,11 +174,11 @@ class SpecWorker:
         verified = self.verify(batch, plan, out)                    # accepted paths, their KV kept, the roots moved
         clock.mark("verified")
         self.commit(batch, verified, context_proposer)              # the draft holds its pairs, the context learns
-        record = self.record(batch, plan, verified, clock)
+        record = self.record(batch, plan, verified, clock, proposal.owed_s)
         if planner is not None:
             planner.observe(record)                                 # verify costs, the draft's rate, idle stretches
         return StepResult(rows, verified.emitted, record.times, verified.logprobs, plan.tree.num_nodes, plan.drafted,
-                          accepted_from_context(plan, verified))
+                          accepted_from_context(plan, verified), row_nodes=plan.row_nodes(batch.size))
 
     def batch(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
               spec: Optional[SpecConfig], keys: Sequence, context: int) -> StepBatch:
@@ -177,7 +188,10 @@ class SpecWorker:
 
     def propose(self, batch: StepBatch, context_proposer: Optional[Proposer],
                 planner: Optional[TreePlanner]) -> Proposal:
-        """The context's candidates (where it is looked up), then the draft's with them merged in (where it runs)."""
+        """The context's candidates (where it is looked up), then the draft's with them merged in (where it runs);
+        nothing on a step the planner runs plain (TreePlanner.speculates)."""
+        if planner is not None and not planner.speculates(batch.size):
+            return Proposal(None)                                   # a plain step: the root alone
         looked = context_proposer is not None and (planner is None or planner.wants_proposals(batch.size))
         alone = context_proposer.propose(batch) if looked else None
         if not self.drafts(batch, alone, planner):
@@ -185,7 +199,8 @@ class SpecWorker:
         t0 = time.perf_counter()
         cands = self.drafter.propose(batch, beside=alone)
         cands = cands if alone is None else merge_candidates(cands, alone)
-        return Proposal(cands, True, time.perf_counter() - t0, with_context=alone is not None)
+        return Proposal(cands, True, time.perf_counter() - t0, with_context=alone is not None,
+                        owed_s=self.drafter.owed_s)
 
     def drafts(self, batch: StepBatch, alone: Optional[Candidates], planner: Optional[TreePlanner]) -> bool:
         """Run the draft this step? Where there is one and the step has a tree for it, when the planner (if any) expects
@@ -196,46 +211,53 @@ class SpecWorker:
                                                       batch.context)
 
     def plan(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> StepPlan:
-        """The tree of the tree_size - 1 best candidates; the root alone where that is 1 (or nothing was proposed)."""
-        size, cands = self.tree_size(batch, proposal, planner), proposal.candidates
+        """The tree of each row's row_sizes - 1 best candidates (ragged where the rows' sizes differ); the root alone
+        where every row's size is 1 (or nothing was proposed)."""
+        sizes, cands = self.row_sizes(batch, proposal, planner), proposal.candidates
+        size = max(sizes)
         if size <= 1:
             return StepPlan(root_only_tree(batch.roots, batch.root_pos), None, proposal.drafted)
+        ragged = sizes if min(sizes) < size else None
         if proposal.with_context:              # the tree tells the context's nodes apart
-            tree, from_context = tree_of(cands, batch.roots, batch.root_pos, size)
+            tree, from_context = tree_of(cands, batch.roots, batch.root_pos, size, ragged)
         else:
-            tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size)
+            tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size,
+                                    ragged)
             from_context = None
-        return StepPlan(tree, from_context, proposal.drafted, self.draws(cands, size))
+        return StepPlan(tree, from_context, proposal.drafted, self.draws(cands, tree))
 
-    def draws(self, cands: Candidates, size: int) -> Optional[SampledDraws]:
+    def draws(self, cands: Candidates, tree: DraftTree) -> Optional[SampledDraws]:
         """Where rows sampled their children: the q slot of each tree node and the q, for the verify."""
         if cands.drawn_from is None:
             return None
-        drawn = torch.gather(cands.drawn_from, 1, chosen_candidates(cands, size))              # [B, size - 1]
+        chosen = chosen_candidates(cands, tree.num_nodes, tree.row_nodes)                      # [B, N - 1]
+        drawn = gather_candidates(cands.drawn_from, chosen, -1)
         drawn = torch.cat([torch.full_like(drawn[:, :1], -1), drawn], 1)
         return SampledDraws(drawn, cands.draft_q, self.drafter.draft_targets)
 
-    def tree_size(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> int:
-        """Nodes per row to verify, the root included (1: the root alone). The planner's choice under --tree auto;
-        else the fixed tree's nodes where the draft ran, plus the context's own up to MAX_CONTEXT_NODES, at most
-        every row's candidates."""
+    def row_sizes(self, batch: StepBatch, proposal: Proposal, planner: Optional[TreePlanner]) -> list[int]:
+        """Per row, the nodes to verify, the root included (1: the root alone). The planner's choice under --tree
+        auto (one verify budget for the batch: rows differ); else the fixed tree's nodes where the draft ran, plus
+        the context's own up to MAX_CONTEXT_NODES, at most the row's candidates."""
         cands = proposal.candidates
         if cands is None:
-            return 1
+            return [1] * batch.size
         if planner is not None:
             return planner.size(sorted_scores(cands), batch.size, batch.context, proposal.draft_s,
                                 sampled=not all(batch.greedy))[0]
         drafted = batch.spec.num_draft_tokens if proposal.drafted else 1
         extra = min(cands.context_nodes(), MAX_CONTEXT_NODES) if proposal.with_context else 0
-        return min(1 + min(cands.finite()), drafted + extra)
+        return [min(1 + have, drafted + extra) for have in cands.finite()]
 
     def forward(self, batch: StepBatch, tree: DraftTree) -> TargetOutput:
-        """One target forward over every row's tree with its ancestor mask (a captured CUDA graph where one fits)."""
+        """One target forward over every row's tree with its ancestor mask (a captured CUDA graph where one fits;
+        a ragged tree computes only each row's real nodes where csrc's layers run)."""
         with record_function("eagle3::verify_forward"):
             out = self.graphs.forward(batch.index, tree.tokens, tree.positions, tree.mask) \
                 if self.graphs is not None else None
             return out if out is not None else self.target(self.tpool, tree.tokens, tree.positions, rows=batch.index,
-                                                           tree_mask=tree.mask, want_aux=self.drafter is not None)
+                                                           tree_mask=tree.mask, want_aux=self.drafter is not None,
+                                                           row_tokens=tree.row_nodes)
 
     def verify(self, batch: StepBatch, plan: StepPlan, out: TargetOutput) -> VerifyOutput:
         """Each row's accepted path (accept), its KV slots kept, its last token the row's next root; the log-probs of
@@ -262,11 +284,12 @@ class SpecWorker:
             if proposer is not None:
                 proposer.commit(batch, verified)
 
-    def record(self, batch: StepBatch, plan: StepPlan, verified: VerifyOutput, clock: StepClock) -> StepRecord:
+    def record(self, batch: StepBatch, plan: StepPlan, verified: VerifyOutput, clock: StepClock,
+               owed_s: float = 0.0) -> StepRecord:
         """The finished step for its observers. The forward's seconds are its cost only where it ran synchronously."""
         forward_s = clock.seconds("verify", "forward") if self.target.device.type == "cpu" else None
-        return StepRecord(batch.size, plan.tree.num_nodes, plan.drafted, batch.context, sum(verified.counts),
-                          clock.times(), forward_s)
+        return StepRecord(batch.size, plan.tree.mean_nodes, plan.drafted, batch.context, sum(verified.counts),
+                          clock.times(), forward_s, owed_s)
 
 
 def accepted_from_context(plan: StepPlan, verified: VerifyOutput) -> list[list[bool]]:

@@ -45,10 +45,11 @@ class StepClock:
 @dataclass
 class StepRecord:
     batch: int                  # rows the step decoded
-    nodes: int                  # tokens per row its verify ran (the tree's size, the root included)
+    nodes: float                # tokens per row its verify ran, a mean over rows (the trees' sizes, roots included)
     drafted: bool               # the draft model ran
     context: int                # the longest row's tokens (what the verify's attention read)
     tokens: int                 # tokens emitted, all rows together
     times: StepTimes
     forward_s: Optional[float]  # the target forward's seconds (None where they are not its cost: asynchronous devices)
+    owed_s: float = 0.0         # of its draft seconds, the extend work earlier steps held back (their pairs, prompts)
 

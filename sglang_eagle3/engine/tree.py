@@ -31,10 +31,17 @@ class DraftTree:
     depth: torch.Tensor       # [B, N] 0 for the root
     mask: torch.Tensor        # [B, N, N] bool: row i = ancestors of i plus i
     positions: torch.Tensor   # [B, N] root position + depth
+    row_nodes: Optional[torch.Tensor] = None   # [B] a ragged tree: row b's real nodes (its first, the root included),
+                                               # then padding (parent -1, never reached); None: every row has N
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def mean_nodes(self) -> float:
+        """Nodes per row the verify computes (the root included): what it costs."""
+        return self.num_nodes if self.row_nodes is None else float(self.row_nodes.float().mean())
 
     @property
     def paths(self) -> torch.Tensor:
@@ -55,15 +62,19 @@ class DraftTree:
 
 
 def build_draft_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions,
-                     num_draft_tokens: int) -> DraftTree:
+                     num_draft_tokens: int, row_nodes: Optional[list[int]] = None) -> DraftTree:
     """Select the best candidates and lay out the tree.
 
     cand_tokens, cand_scores, cand_parents [B, C]: candidates in creation order (a parent always comes
     before its children); parent -1 = the root. Picks the num_draft_tokens - 1 highest cumulative
     scores (stable: on ties the earlier candidate, hence the parent, wins, so the set is ancestor-closed).
+    row_nodes (a ragged tree): row b takes its row_nodes[b] - 1 best, num_draft_tokens = max(row_nodes).
     """
+    counts = None
+    if row_nodes is not None and min(row_nodes) < num_draft_tokens:
+        counts = torch.tensor(row_nodes, dtype=torch.long, device=cand_tokens.device)
     return DraftTree(*K.build_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions,
-                                   num_draft_tokens))
+                                   num_draft_tokens, counts), row_nodes=counts)
 
 
 def root_only_tree(root_tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
@@ -268,19 +279,36 @@ def sorted_scores(cands: Candidates) -> list[list[float]]:
             .values.tolist()]
 
 
-def chosen_candidates(cands: Candidates, num_nodes: int) -> torch.Tensor:
+def chosen_candidates(cands: Candidates, num_nodes: int, row_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The candidates a tree of num_nodes nodes takes (build_draft_tree's choice), [B, num_nodes - 1] in creation
-    order: tree node i + 1 is candidate [b, i]."""
+    order: tree node i + 1 is candidate [b, i]. row_nodes [B] (a ragged tree): row b's first row_nodes[b] - 1, then
+    -1 for its padding."""
     order = torch.sort(cands.scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
-    return torch.sort(order, dim=1).values
+    if row_nodes is None:
+        return torch.sort(order, dim=1).values
+    C = cands.scores.shape[1]
+    real = torch.arange(order.shape[1], device=order.device).view(1, -1) < (row_nodes.view(-1, 1) - 1)
+    chosen = torch.sort(torch.where(real, order, C), dim=1).values
+    return torch.where(real, chosen, -1)
 
 
-def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int) -> tuple[DraftTree, torch.Tensor]:
-    """The tree of the num_nodes - 1 best candidates (num_nodes - 1 <= every row's real candidates) and, per node,
-    whether the context alone proposed it ([B, num_nodes] bool; the root: False)."""
-    n = num_nodes - 1
-    if n > min(cands.finite()):
-        raise ValueError(f"a tree of {num_nodes} nodes needs {n} candidates per row, a row has {min(cands.finite())}")
-    tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes)
-    context = torch.gather(cands.from_context, 1, chosen_candidates(cands, num_nodes))
+def gather_candidates(values: torch.Tensor, chosen: torch.Tensor, padding) -> torch.Tensor:
+    """values [B, C] of the chosen candidates [B, n] (-1: padding, which gets `padding`)."""
+    return torch.where(chosen >= 0, torch.gather(values, 1, chosen.clamp(min=0)), padding)
+
+
+def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int,
+            row_nodes: Optional[list[int]] = None) -> tuple[DraftTree, torch.Tensor]:
+    """The tree of the num_nodes - 1 best candidates (num_nodes - 1 <= every row's real candidates; a ragged tree:
+    row b's row_nodes[b] - 1 best, num_nodes = max(row_nodes)) and, per node, whether the context alone proposed it
+    ([B, num_nodes] bool; the root and padding: False)."""
+    wanted = [num_nodes] * len(cands.finite()) if row_nodes is None else row_nodes
+    short = [b for b, (n, have) in enumerate(zip(wanted, cands.finite())) if n - 1 > have]
+    if short:
+        b = short[0]
+        raise ValueError(f"a tree of {wanted[b]} nodes needs {wanted[b] - 1} candidates in row {b}, it has "
+                         f"{cands.finite()[b]}")
+    tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes,
+                            row_nodes)
+    context = gather_candidates(cands.from_context, chosen_candidates(cands, num_nodes, tree.row_nodes), False)
     return tree, torch.cat([torch.zeros_like(context[:, :1]), context], 1)

@@ -191,7 +191,7 @@ def qkv_attention(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_cache, v_c
     ext = load()
     if ext is not None and _use_ext(qkv, cos, sin, k_cache, v_cache):
         return ext.qkv_attention(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens, write_start,
-                                 new_mask.contiguous(), scale)
+                                 new_mask.contiguous(), scale, None)
     return qkv_attention_ref(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache, rows, lens, write_start,
                              new_mask, scale, attention=tree_attention_static if k_cache.is_cuda else None)
 
@@ -286,12 +286,13 @@ def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
 
 
 def layer_step(x, delta, capture: bool, weights, cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
-               scale: float) -> list:
+               scale: float, packed: Optional[torch.Tensor] = None, row_tokens: Optional[torch.Tensor] = None) -> list:
     """One target decoder layer of a decode / verify step (bf16; weights: its layer_weights): x += delta, then
     attention and MLP over the KV pool (the arguments of qkv_attention); returns [the layer's MLP output (the next
-    delta), the residual stream x when capture]."""
+    delta), the residual stream x when capture]. A ragged step: x [1, M, H] holds only the real tokens, row b's
+    first row_tokens[b] of new_mask's [B, T] layout, at flat indices packed [M] (padding costs nothing)."""
     return load().layer_step(x, delta, capture, weights, cos, sin, k_cache, v_cache, rows, lens, write_start,
-                             new_mask, scale)
+                             new_mask, scale, packed, row_tokens)
 
 
 def draft_layer(embeds, hidden, weights, cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
@@ -316,32 +317,42 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def build_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens: int):
+def build_tree(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens: int,
+               row_nodes: Optional[torch.Tensor] = None):
     """Pick the num_draft_tokens - 1 best candidates [B, C] (creation order, parent -1 = the root; stable on ties,
     so the set is closed under ancestors) and lay out the tree -> (tokens, parents, depth, mask, positions), node 0
-    the root. On CPU one call of the extension, else build_tree_ref: the same tree."""
+    the root. row_nodes [B] (each in 1..N): row b takes only its row_nodes[b] - 1 best, its nodes past them are
+    padding (the root's token and position, parent -1: no walk reaches them; depth 0; they see only themselves).
+    On CPU one call of the extension, else build_tree_ref: the same tree."""
     ext = load()
     if ext is not None and cand_tokens.device.type == "cpu":
         return tuple(ext.build_tree(cand_tokens, cand_scores.float(), cand_parents, root_tokens.reshape(-1),
-                                    root_positions.reshape(-1), num_draft_tokens))
-    return build_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens)
+                                    root_positions.reshape(-1), num_draft_tokens, row_nodes))
+    return build_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens,
+                          row_nodes)
 
 
-def build_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens: int):
+def build_tree_ref(cand_tokens, cand_scores, cand_parents, root_tokens, root_positions, num_draft_tokens: int,
+                   row_nodes: Optional[torch.Tensor] = None):
     B, C = cand_tokens.shape
     dev = cand_tokens.device
     n = min(num_draft_tokens - 1, C)
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :n]
-    chosen = torch.sort(order, dim=1).values                                   # [B, n] creation order
-    node_of = torch.full((B, C + 1), -1, dtype=torch.long, device=dev)         # candidate -> node
+    slot = torch.arange(n, device=dev).expand(B, n)
+    real = slot < (row_nodes.view(B, 1) - 1) if row_nodes is not None else torch.ones_like(slot, dtype=torch.bool)
+    chosen = torch.sort(torch.where(real, order, C), dim=1).values             # [B, n] creation order, padding last
+    node_of = torch.full((B, C + 2), -1, dtype=torch.long, device=dev)         # candidate -> node
     node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=dev).expand(B, n))
-    node_of[:, C] = 0                                                          # parent -1 (index C) -> root
+    node_of[:, C + 1] = 0                                                      # parent -1 (index C + 1) -> root
+    chosen = chosen.clamp(max=C - 1)
     par_cand = torch.gather(cand_parents, 1, chosen)
-    parents = torch.gather(node_of, 1, torch.where(par_cand < 0, C, par_cand))
-    if (parents < 0).any():
+    parents = torch.gather(node_of, 1, torch.where(par_cand < 0, C + 1, par_cand))
+    if (parents[real] < 0).any():
         raise AssertionError("draft tree selection is not closed under ancestors")
+    parents = torch.where(real, parents, -1)
     parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], 1)   # [B, N]
-    tokens = torch.cat([root_tokens.view(B, 1), torch.gather(cand_tokens, 1, chosen)], 1)
+    tokens = torch.where(real, torch.gather(cand_tokens, 1, chosen), root_tokens.view(B, 1))
+    tokens = torch.cat([root_tokens.view(B, 1), tokens], 1)
     mask = ancestor_mask(parents)
     depth = mask.sum(-1) - 1
     return tokens, parents, depth, mask, root_positions.view(B, 1) + depth
@@ -362,7 +373,8 @@ def accept_greedy_ref(tokens, parents, mask, target_argmax):
     all its ancestors match the target's argmax at their parents (siblings are distinct: one root path)."""
     B, N = tokens.shape
     want = torch.gather(target_argmax, 1, parents.clamp(min=0))                   # the target's pick at the parent
-    correct = (tokens == want) | (parents < 0)
+    root = torch.arange(N, device=tokens.device) == 0                             # (padding: parent -1, never)
+    correct = ((tokens == want) & (parents >= 0)) | root
     accepted = ~(mask & ~correct.unsqueeze(1)).any(-1)                            # [B, N] whole root path correct
     count = accepted.sum(1)
     node = torch.arange(N, device=tokens.device).expand(B, N)

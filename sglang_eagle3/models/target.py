@@ -34,6 +34,17 @@ class TargetOutput:
     last_hidden: torch.Tensor         # [B, T, H]: after the final norm (logits = lm_head(last_hidden))
 
 
+def unpacked(out: TargetOutput, packed: torch.Tensor, B: int, T: int) -> TargetOutput:
+    """A ragged forward's outputs ([1, M, .] at flat indices packed [M] of the [B, T] layout) laid out as [B, T, .];
+    the padding's entries are left unset."""
+    def lay(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        full = t.new_empty(B * T, t.shape[-1])
+        return full.index_copy_(0, packed, t.view(-1, t.shape[-1])).view(B, T, -1)
+    return TargetOutput(lay(out.logits), lay(out.aux_hidden_states), lay(out.last_hidden))
+
+
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
@@ -141,10 +152,13 @@ class TargetModel(nn.Module):
     def forward(self, cache: KVPool, input_ids: torch.Tensor, positions: torch.Tensor,
                 tree_mask: Optional[torch.Tensor] = None, num_new: Optional[torch.Tensor] = None,
                 logit_index: Optional[torch.Tensor] = None, want_aux: bool = True,
-                rows: Optional[torch.Tensor] = None) -> TargetOutput:
+                rows: Optional[torch.Tensor] = None, row_tokens: Optional[torch.Tensor] = None) -> TargetOutput:
         """input_ids, positions [B, T]; rows [B]: pool rows (default 0..B-1); tree_mask [B, T, T] bool (row =
         ancestors + self) or None (causal); num_new [B]: valid new tokens per row (the rest is right padding);
         logit_index [B, K]: only these positions get logits (saves the vocab projection in prefill).
+        row_tokens [B] (a ragged verify; with tree_mask): row b's tree is its first row_tokens[b] nodes, the rest
+        padding that no real node sees. Where csrc's layers run, padding is not computed and its outputs are left
+        unset (nothing may read them); elsewhere it is computed like any node.
         Nothing is committed: the caller keeps what it accepts (cache.commit / commit_prefix)."""
         B, T = input_ids.shape
         if rows is None:
@@ -157,14 +171,20 @@ class TargetModel(nn.Module):
             lens, new_mask = self._pool_slots(cache, rows, T, tree_mask)
             cos, sin = cos.contiguous(), sin.contiguous()
             step, scale = K.layer_step, self.head_dim ** -0.5
+            packed = None
+            if row_tokens is not None and logit_index is None and bool((row_tokens < T).any()):
+                packed = torch.nonzero((torch.arange(T, device=x.device) < row_tokens.view(B, 1)).view(-1)).view(-1)
+                x = x.view(B * T, -1).index_select(0, packed).view(1, -1, x.shape[-1])   # [1, M, H] real tokens
+                row_tokens = row_tokens.contiguous()
             for i, layer in enumerate(self.layers):
                 cap = want_aux and i in self.capture_at
                 out = step(x, delta, cap, layer.layer_weights, cos, sin, cache.k[i], cache.v[i], rows, lens, lens,
-                           new_mask, scale)
+                           new_mask, scale, packed, None if packed is None else row_tokens)
                 delta = out[0]
                 if cap:
                     captured[i] = out[1]
-            return self._finish(x, delta, logit_index, captured, want_aux, True)
+            out = self._finish(x, delta, logit_index, captured, want_aux, True)
+            return out if packed is None else unpacked(out, packed, B, T)
         attend = self._attention(cache, rows, T, tree_mask, num_new)
         step = self._over_pool(T, tree_mask)     # decode / verify: the few-row kernels at any row count (lossless)
         for i, layer in enumerate(self.layers):

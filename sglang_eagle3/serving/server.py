@@ -130,6 +130,21 @@ class Metrics:
                 "# HELP eagle3_free_kv_rows KV-cache rows free for new requests.",
                 "# TYPE eagle3_free_kv_rows gauge", f"eagle3_free_kv_rows {load['free_rows']}",
                 "# TYPE eagle3_max_running_requests gauge", f"eagle3_max_running_requests {load['max_running']}",
+                "# HELP eagle3_decode_steps_total Batched decoding steps.",
+                "# TYPE eagle3_decode_steps_total counter", f"eagle3_decode_steps_total {load['steps']}",
+                "# HELP eagle3_step_rows_total Rows over all decoding steps (a step of 4 requests counts 4).",
+                "# TYPE eagle3_step_rows_total counter", f"eagle3_step_rows_total {load['row_steps']}",
+                "# HELP eagle3_speculated_rows_total Rows of decoding steps whose tree held more than the root.",
+                "# TYPE eagle3_speculated_rows_total counter",
+                f"eagle3_speculated_rows_total {load['speculated_rows']}",
+                "# HELP eagle3_verified_tokens_total Tokens the verifies computed, all rows (each tree, its root "
+                "included).",
+                "# TYPE eagle3_verified_tokens_total counter", f"eagle3_verified_tokens_total {load['verified_nodes']}",
+                "# HELP eagle3_step_seconds_total Decoding steps' seconds by part: draft (proposing, sizing the tree, "
+                "the draft model) and verify (the target forward, acceptance, KV commit).",
+                "# TYPE eagle3_step_seconds_total counter",
+                f'eagle3_step_seconds_total{{part="draft"}} {load["draft_seconds"]:.6f}',
+                f'eagle3_step_seconds_total{{part="verify"}} {load["verify_seconds"]:.6f}',
             ]
         return "\n".join(lines) + "\n"
 

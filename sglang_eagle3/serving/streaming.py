@@ -28,8 +28,15 @@ DONE = "data: [DONE]\n\n"
 Delta = tuple[int, str, bool, int]    # choice index, its new text, its request finished, log-prob entries to show
 
 
+# Characters JSON leaves raw outside ASCII that line-splitting clients (Python's str.splitlines, httpx's aiter_lines)
+# take for line ends: inside an event they would cut its data line in two.
+LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def event(body: dict, ensure_ascii: bool = True) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=ensure_ascii)}\n\n"
+    """One SSE event; ensure_ascii=False keeps text as UTF-8, with the line-breaking characters still escaped."""
+    data = json.dumps(body, ensure_ascii=ensure_ascii)
+    return f"data: {data if ensure_ascii else data.translate(LINE_BREAKS)}\n\n"
 
 
 class Chunks:

@@ -1,7 +1,7 @@
 """Greedy speculative decoding is token-identical to the target's own greedy decode."""
 import pytest
 import torch
-from conftest import random_draft, tiny_target
+from conftest import force_ragged_trees, random_draft, tiny_target
 
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.settings import Settings
@@ -122,6 +122,22 @@ def test_bf16_greedy_speculation_equals_bf16_vanilla(spec):
     assert stats.accept_length > 1.2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_output_with_ragged_trees_equals_vanilla(dtype, monkeypatch):
+    """Rows of one step with trees of different sizes (one verify budget for the batch; here forced, varied by row
+    and step; in bf16 the verify computes only each row's real nodes): greedy output stays vanilla's."""
+    tm, _ = tiny_target("llama", dtype=dtype, head_dim=64, logit_scale=4.0)
+    prompts = prompts_of([5, 14, 23, 9], tm.vocab_size, seed=7)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(prompts, params)
+    refs = [[int(x) for x in p.split()] + o.token_ids for p, o in zip(prompts, van)]
+    draft = oracle_for(tm, refs, skill=0.7).to(dtype)
+    ragged = force_ragged_trees(monkeypatch)
+    outs, stats = SpeculativeEngine(tm, draft, Settings(tree=SpecConfig(3, 2, 6))).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in van]
+    assert len(ragged) > 5 and stats.accept_length > 1.2
+
+
 def test_eos_stop_strings_and_uneven_finish():
     tm, hf = tiny_target("llama", logit_scale=4.0)
     prompts = prompts_of([3, 8, 5, 11], tm.vocab_size, seed=5)
@@ -168,7 +184,9 @@ def test_draft_for_another_target_is_refused():
 
 def test_steps_without_speculation_keep_the_draft_in_sync():
     """A row decoded without speculation (profile: no tree at this batch size) holds its draft pairs back and
-    runs them later: its draft KV and state end up what speculating all along gives, and outputs stay lossless."""
+    runs them when it drafts again: within PENDING_MAX pairs its draft KV and state end up what speculating all along
+    gives. Past them it drops its oldest held pairs (a row that never drafts never runs them all through the draft):
+    its draft KV then holds the prompt and the newest pairs. Outputs stay lossless either way."""
     from sglang_eagle3.engine.proposers import PENDING_MAX
     from sglang_eagle3.engine.spec_worker import SpecWorker
     tm, _ = tiny_target("llama", logit_scale=4.0)
@@ -181,6 +199,8 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
     def run(plan):
         w = SpecWorker(tm, draft, num_rows=2, max_len=400, draft_tree_slots=spec.draft_slots)
         out = [[w.prefill(r, p, greedy[0])[0]] for r, p in enumerate(prompts)]
+        # the prompts' pairs are held: the draft has run over nothing yet
+        assert w.drafter.dpool.lens.tolist() == [0, 0] and [w.drafter.held(r) for r in (0, 1)] == [4, 5]
         for use_spec in plan:
             res = w.step([0, 1], greedy, [None, None], spec if use_spec else None)
             for o, e in zip(out, res.emitted):
@@ -189,15 +209,40 @@ def test_steps_without_speculation_keep_the_draft_in_sync():
         return w, out
 
     always, out_a = run([True] * 100)
-    mixed, out_m = run([False] * (PENDING_MAX + 10) + [True] * 8 + [False] * 5 + [True] * 3)
-    n = min(min(len(o) for o in out_a), min(len(o) for o in out_m))
-    assert n > 40 and all(a[:n] == m[:n] for a, m in zip(out_a, out_m))          # lossless either way
+    within, out_w = run([False] * (PENDING_MAX - 1) + [True] * 8 + [False] * 5 + [True] * 3)
+    past, out_p = run([False] * (PENDING_MAX + 10) + [True] * 8)
+    n = min(len(o) for o in out_a + out_w + out_p)
+    assert n > 40 and all(a[:n] == w[:n] == p[:n] for a, w, p in zip(out_a, out_w, out_p))   # lossless every way
     for r in range(2):
-        k = int(min(always.drafter.dpool.lens[r], mixed.drafter.dpool.lens[r]))
+        k = int(min(always.drafter.dpool.lens[r], within.drafter.dpool.lens[r]))
         assert k > PENDING_MAX
-        torch.testing.assert_close(mixed.drafter.dpool.k[0, r, :, :k], always.drafter.dpool.k[0, r, :, :k], rtol=1e-5,
-                                   atol=1e-5)
-    assert sum(mixed.drafter.pend_count) == 0 and torch.equal(mixed.drafter.dpool.lens, mixed.tpool.lens)
+        torch.testing.assert_close(within.drafter.dpool.k[0, r, :, :k], always.drafter.dpool.k[0, r, :, :k],
+                                   rtol=1e-5, atol=1e-5)
+    assert sum(within.drafter.pend_count) == 0 and torch.equal(within.drafter.dpool.lens, within.tpool.lens)
+    dropped = past.tpool.lens - past.drafter.dpool.lens
+    assert sum(past.drafter.pend_count) == 0 and bool((dropped > 0).all())    # the oldest held pairs were dropped
+    for r in range(2):                                                        # the prompt's pairs were kept
+        p = len(prompts[r])
+        torch.testing.assert_close(past.drafter.dpool.k[0, r, :, :p], always.drafter.dpool.k[0, r, :, :p],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_that_does_not_draft_keeps_only_the_end_of_its_prompt_and_its_newest_pairs():
+    """A long prompt is held, not run through the draft; a row that then holds PENDING_MAX step pairs without drafting
+    keeps the last PROMPT_KEEP prompt pairs and its newest PENDING_KEEP pairs (a step that drafts again runs those)."""
+    from sglang_eagle3.engine.proposers import PENDING_KEEP, PENDING_MAX, PROMPT_KEEP
+    from sglang_eagle3.engine.spec_worker import SpecWorker
+    tm, _ = tiny_target("llama", logit_scale=4.0)
+    w = SpecWorker(tm, random_draft(tm), num_rows=1, max_len=PROMPT_KEEP + 200, draft_tree_slots=8)
+    greedy = [SamplingParams(max_new_tokens=100, ignore_eos=True)]
+    prompt = [3 + i % 50 for i in range(PROMPT_KEEP + 40)]
+    w.prefill(0, prompt, greedy[0])
+    assert w.drafter.held(0) == len(prompt) and int(w.drafter.dpool.lens[0]) == 0
+    for _ in range(PENDING_MAX + 1):
+        w.step([0], greedy, [None], None)
+    assert w.drafter.held(0) == PROMPT_KEEP + PENDING_KEEP + 1
+    positions = w.drafter.prompt_pairs[0][2]
+    assert positions[0, 0] == len(prompt) - PROMPT_KEEP and positions[0, -1] == len(prompt) - 1
 
 
 def test_incremental_detokenizer_matches_full_decode(smollm2_path):

@@ -96,6 +96,8 @@ def test_a_host_table_merges_into_a_profile(tmp_path):
     assert prof.for_batch_size(2, sampled=True) == SpecConfig(**CHAIN)
     assert prof.for_batch_size(1, context=100) == SpecConfig(**other) and prof.for_batch_size(1, context=99) == \
         SpecConfig(**WIDE)
+    # past the batch sizes the long-context table measured, the host's own table (batch 8: its chain)
+    assert prof.for_batch_size(8, context=100) == SpecConfig(**CHAIN) == prof.for_batch_size(8, context=99)
     assert SpecProfile.load(path, host="avx2").for_batch_size(1) == SpecConfig(**CHAIN)   # the profile's own
 
 

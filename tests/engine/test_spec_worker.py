@@ -44,17 +44,18 @@ def worker():
 
 def test_the_fixed_tree_is_the_drafts_nodes_plus_the_contexts_up_to_a_cap(worker):
     """Without a planner: spec.num_draft_tokens where the draft ran, plus the nodes the context alone proposed (at most
-    MAX_CONTEXT_NODES), never more than every row's candidates; 1 where nothing was proposed."""
+    MAX_CONTEXT_NODES), never more than the row's own candidates; 1 where nothing was proposed."""
     batch = batch_of(worker, [0, 1])
     draft = draft_candidates_of(2)
-    assert worker.tree_size(batch, Proposal(draft, drafted=True), None) == SPEC.num_draft_tokens
+    n = SPEC.num_draft_tokens
+    assert worker.row_sizes(batch, Proposal(draft, drafted=True), None) == [n, n]
     hybrid = merge_candidates(draft, chain_candidates([[context_chain(3)], [context_chain(1)]], "cpu"))
-    assert worker.tree_size(batch, Proposal(hybrid, drafted=True, with_context=True), None) == SPEC.num_draft_tokens + 3
+    assert worker.row_sizes(batch, Proposal(hybrid, drafted=True, with_context=True), None) == [n + 3] * 2
     alone = chain_candidates([[context_chain(MAX_CONTEXT_NODES + 4)], [context_chain(MAX_CONTEXT_NODES + 2)]], "cpu")
-    assert worker.tree_size(batch, Proposal(alone, with_context=True), None) == 1 + MAX_CONTEXT_NODES
+    assert worker.row_sizes(batch, Proposal(alone, with_context=True), None) == [1 + MAX_CONTEXT_NODES] * 2
     short = chain_candidates([[context_chain(5)], [context_chain(2)]], "cpu")
-    assert worker.tree_size(batch, Proposal(short, with_context=True), None) == 3          # the shorter row's 2, + root
-    assert worker.tree_size(batch, Proposal(None), None) == 1
+    assert worker.row_sizes(batch, Proposal(short, with_context=True), None) == [6, 3]    # each row's own, + root
+    assert worker.row_sizes(batch, Proposal(None), None) == [1, 1]
 
 
 def test_a_hybrid_plan_marks_the_nodes_the_context_alone_proposed(worker):
@@ -138,7 +139,7 @@ def test_the_planner_calibrates_sampled_trees_by_what_their_verifies_accept():
     costs = StepCosts({1: {n: 0.01 + 0.0005 * n * n for n in range(1, 17)}}, {1: 0.0})    # best: 3 nodes, 4 at 2x
     planner = TreePlanner(costs, 16, has_draft=True)
     scores = [[math.log(0.3)] * 15]
-    n_before = planner.size(scores, 1, 200, sampled=True)[0]
+    n_before = planner.size(scores, 1, 200, sampled=True)[0][0]
     assert planner.expected == pytest.approx(0.3 * (n_before - 1))
     planner.size(scores, 1, 200)                                       # greedy: nothing to calibrate
     assert planner.expected is None
@@ -147,16 +148,16 @@ def test_the_planner_calibrates_sampled_trees_by_what_their_verifies_accept():
         expected = planner.expected
         planner.observe(StepRecord(1, n_before, True, 200, 1 + round(2 * expected), StepTimes(0.001, 0.02), None))
     assert 1.7 < planner.chance_scale < 2.4                           # 2, up to rounding the tokens
-    assert planner.size(scores, 1, 200, sampled=True)[0] > n_before
-    assert planner.size(scores, 1, 200)[0] == n_before                 # greedy trees keep their size
+    assert planner.size(scores, 1, 200, sampled=True)[0][0] > n_before
+    assert planner.size(scores, 1, 200)[0][0] == n_before                 # greedy trees keep their size
     for _ in range(40):                                                # verifies that accept nothing
-        n = planner.size(scores, 1, 200, sampled=True)[0]
+        n = planner.size(scores, 1, 200, sampled=True)[0][0]
         planner.observe(StepRecord(1, n, True, 200, 1, StepTimes(0.001, 0.02), None))
-    assert planner.size(scores, 1, 200, sampled=True)[0] == 1 and planner.chance_scale < 0.9
+    assert planner.size(scores, 1, 200, sampled=True)[0][0] == 1 and planner.chance_scale < 0.9
     owed = 0.0
     for _ in range(300):                        # root-only steps: the scale drifts back; then 0.3 per node again
-        n = planner.size(scores, 1, 200, sampled=True)[0]
+        n = planner.size(scores, 1, 200, sampled=True)[0][0]
         owed += 0.3 * (n - 1)
         accepted, owed = int(owed), owed - int(owed)
         planner.observe(StepRecord(1, n, True, 200, 1 + accepted, StepTimes(0.001, 0.02), None))
-    assert planner.size(scores, 1, 200, sampled=True)[0] == n_before and 0.8 < planner.chance_scale < 1.2
+    assert planner.size(scores, 1, 200, sampled=True)[0][0] == n_before and 0.8 < planner.chance_scale < 1.2

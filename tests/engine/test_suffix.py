@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import fake_step_costs, linear_cost, random_draft, tiny_target
 
-from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_tree_size
+from sglang_eagle3.engine.cost_model import StepCosts, TreePlanner, choose_row_sizes
 from sglang_eagle3.engine.engine import SpeculativeEngine
 from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import Drafting, SpecConfig
@@ -146,7 +146,7 @@ def test_proposals_merge_into_the_drafts_candidates():
     tree, ctx = tree_of(m, torch.tensor([1]), torch.tensor([7]), 4)          # the 3 best: 10, 13, 20
     assert tree.tokens.tolist() == [[1, 10, 13, 20]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
     assert ctx.tolist() == [[False, False, False, True]] and tree.positions.tolist() == [[7, 8, 9, 10]]
-    with pytest.raises(ValueError, match="needs 6 candidates per row"):
+    with pytest.raises(ValueError, match="needs 6 candidates in row 0, it has 5"):
         tree_of(m, torch.tensor([1]), torch.tensor([7]), 7)
 
 
@@ -236,17 +236,100 @@ def flat_costs(step=0.01, per_token=0.001) -> StepCosts:
 def test_the_size_maximises_expected_tokens_per_second():
     costs = flat_costs()
     sure = [[math.log(0.95)] * 10]
-    n, tokens, seconds = choose_tree_size(sure, costs, 1, 16)
+    (n,), tokens, seconds = choose_row_sizes(sure, costs, 1, 16)
     assert n == 11 and tokens == pytest.approx(1 + 10 * 0.95)
-    assert choose_tree_size([[math.log(0.01)] * 10], costs, 1, 16)[0] == 1        # not worth a bigger verify
-    assert choose_tree_size([[]], costs, 1, 16)[0] == 1
-    assert choose_tree_size(sure, flat_costs(per_token=0.02), 1, 16)[0] == 1       # verifies too dear
-    assert choose_tree_size(sure, costs, 1, 4)[0] == 4                             # capped
+    assert choose_row_sizes([[math.log(0.01)] * 10], costs, 1, 16)[0] == [1]      # not worth a bigger verify
+    assert choose_row_sizes([[]], costs, 1, 16)[0] == [1]
+    assert choose_row_sizes(sure, flat_costs(per_token=0.02), 1, 16)[0] == [1]     # verifies too dear
+    assert choose_row_sizes(sure, costs, 1, 4)[0] == [4]                           # capped
     # the draft's seconds count: a tree that barely pays without them loses with them
     weak = [[math.log(0.3)] * 3]
-    assert choose_tree_size(weak, costs, 1, 16)[0] > 1
-    n, tokens, seconds = choose_tree_size(weak, costs, 1, 16, draft_s=0.02)
+    assert choose_row_sizes(weak, costs, 1, 16)[0][0] > 1
+    (n,), tokens, seconds = choose_row_sizes(weak, costs, 1, 16, draft_s=0.02)
     assert seconds == pytest.approx(0.02 + costs.verify_s(1, n))
+
+
+def test_one_verify_budget_gives_each_row_its_own_tree():
+    """At batch 8 the rows' candidates compete for one verify: a row in a sure long quotation gets many nodes, rows
+    whose candidates are weak get none (the ragged verify computes no padding for them), and the step's expected
+    tokens and seconds are those of the chosen nodes at the rows' mean size."""
+    costs = StepCosts({8: {1: 0.08, 2: 0.09, 4: 0.11, 8: 0.2, 16: 0.4}}, {1: 0.0})
+    sure, weak = [math.log(0.95)] * 12, [math.log(0.05)] * 12
+    sizes, tokens, seconds = choose_row_sizes([sure] + [weak] * 7, costs, 8, 16)
+    assert sizes[0] > 8 and sizes[1:] == [1] * 7
+    assert tokens == pytest.approx(8 + 0.95 * (sizes[0] - 1))
+    assert seconds == pytest.approx(costs.verify_s(8, sum(sizes) / 8))
+    # one size for every row (the same candidates in every row) is the per-row choice too
+    (n,), *_ = choose_row_sizes([sure], flat_costs(), 1, 16)
+    assert choose_row_sizes([sure] * 8, flat_costs(), 8, 16)[0] == [n] * 8
+    # rows with fewer candidates than others take what they have: the others are not held to them
+    sizes = choose_row_sizes([sure, sure[:2]] + [weak] * 6, costs, 8, 16)[0]
+    assert sizes[1] == 3 and sizes[0] > 8 and set(sizes[2:]) == {1}
+
+
+def test_the_planner_compares_whole_steps_with_whole_steps():
+    """wants_draft weighs the draft's observed rate (whole drafted steps, without the extend work that undrafted steps
+    held back for them) against what root-only steps really deliver (their forwards' prediction scaled by what such
+    steps took): a step's fixed bookkeeping does not count against the draft alone."""
+    from sglang_eagle3.engine.step_record import StepRecord, StepTimes
+    costs = flat_costs()                                      # batch 1: a root-only forward 10 ms
+    planner = TreePlanner(costs, 16, has_draft=True)
+    planner.observe(StepRecord(1, 4, True, 128, 2, StepTimes(draft=0.004, verify=0.02), None, owed_s=0.004))
+    assert planner.draft_rate[1] == pytest.approx(2 / 0.02)   # 100 tokens/s: the owed extend left out
+    assert not planner.wants_draft(None, 1, 128)              # against a predicted 100 tokens/s root-only
+    for _ in range(40):                                       # root-only steps take 25 ms, not 10: 40 tokens/s
+        planner.observe(StepRecord(1, 1, False, 128, 1, StepTimes(draft=0.001, verify=0.024), None))
+    assert planner.step_factor[1] == pytest.approx(2.5, rel=0.01)
+    assert planner.wants_draft(None, 1, 128)
+
+
+@pytest.mark.step_choice
+def test_step_choice_keeps_to_what_delivers_and_tries_the_other_now_and_then():
+    """Per batch size: both choices tried first, then the one whose whole steps delivered more tokens per second;
+    the other is tried for 2 steps every 32, then every 64, 128, ... while the tries confirm the choice, every 32 again
+    once one changes it; the first step after a switch is not counted (it pays for the switch)."""
+    from sglang_eagle3.engine.cost_model import StepChoice
+    choice = StepChoice()
+
+    def run(steps, spec_rate, plain_rate, batch=16, switch_cost=0.0):
+        picks, last = [], None
+        for _ in range(steps):
+            c = choice.speculates(batch)
+            extra = switch_cost if c and last is False else 0.0
+            picks.append(c)
+            choice.observe(batch, 100, 100 / (spec_rate if c else plain_rate) + extra)
+            last = c
+        return picks
+    assert run(2, 300, 200) == [True, False]
+    picks = run(1000, 300, 200, switch_cost=10.0)     # a switch to speculating costs 20 plain steps: not counted
+    tries = [i for i in range(1, len(picks)) if not picks[i] and picks[i - 1]]
+    assert picks.count(False) == 2 * len(tries) and 3 <= len(tries) <= 5   # at 32, 64, 128, 256, 512 steps
+    picks = run(400, 150, 200)                        # speculation now costs more than it yields: followed
+    assert picks[-300:].count(True) <= 2 * 3 and not picks[-1]
+    assert choice.speculates(4)                       # another batch size: its own, tried afresh
+    choice.observe(5, 10, 1.0)                        # a step of another batch size is not counted
+    assert choice.sums[4] == {} and choice.rate(4, True) is None
+    # a ratio of sums: steps of 1 and 7 tokens in the same seconds average 4 tokens a step, not their rates' mean
+    steady = StepChoice()
+    steady.speculates(2)
+    for t in (1, 7) * 20:
+        steady.chosen = (2, True, True)
+        steady.observe(2, t, 0.01)
+    assert 350 < steady.rate(2, True) < 450
+
+
+def test_a_fixed_trees_greedy_steps_may_run_plain_its_sampling_steps_never(monkeypatch):
+    """With a fixed tree the scheduler's StepChoice may run greedy steps plain (here always): no draft runs, output
+    stays vanilla's. Steps with a sampling row keep their tree: a seeded request's draws must not depend on timings."""
+    from sglang_eagle3.engine.cost_model import StepChoice
+    monkeypatch.setattr(StepChoice, "speculates", lambda self, batch: False)
+    tm, _ = tiny_target("llama", vocab_size=64, logit_scale=2.0)
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=3), Settings(tree=SpecConfig(2, 2, 4)))
+    van, _ = SpeculativeEngine(tm, None, Settings()).generate(REPETITIVE, SamplingParams(max_new_tokens=12))
+    outs, stats = eng.generate(REPETITIVE, SamplingParams(max_new_tokens=12), batch_size=3)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in van] and stats.drafted_steps == 0
+    _, stats = eng.generate(REPETITIVE, SamplingParams(max_new_tokens=12, temperature=0.8, seed=1), batch_size=3)
+    assert stats.drafted_steps == stats.decode_steps > 0
 
 
 def test_the_planner_drafts_only_while_it_pays_and_learns_the_verify_costs():

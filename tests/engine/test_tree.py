@@ -233,6 +233,41 @@ def test_cpu_tree_selection_equals_the_tensor_ops(cands, root_pos):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
 
 
+@settings(max_examples=100, deadline=None)
+@given(candidates(), st.integers(0, 50), st.data())
+def test_a_ragged_tree_is_each_rows_own_tree_then_padding(cands, root_pos, data):
+    """row_nodes: row b's nodes are those of a tree of row_nodes[b] nodes (the same tokens, parents, depths, mask and
+    positions), then padding that no walk reaches (parent -1, the root's token and position, seeing only itself);
+    the CPU call and the tensor ops agree; the greedy walks (csrc's and the tensor one) never accept padding, even
+    where its token is the target's pick at the root."""
+    from sglang_eagle3.engine.tree import DraftTree, chosen_candidates
+    from sglang_eagle3.kernels import decode as kernels
+    tokens, scores, parents, budget = cands
+    B, C = tokens.shape
+    N = min(budget - 1, C) + 1
+    sizes = data.draw(st.lists(st.integers(1, N), min_size=B, max_size=B))
+    roots, rpos = torch.arange(B) + 3, torch.full((B,), root_pos)
+    got = build_draft_tree(tokens, scores, parents, roots, rpos, N, sizes)
+    ref = DraftTree(*kernels.build_tree_ref(tokens, scores, parents, roots, rpos, N, torch.tensor(sizes)))
+    for name in ("tokens", "parents", "depth", "mask", "positions"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    chosen = chosen_candidates(type("C", (), {"scores": scores})(), N, torch.tensor(sizes))
+    for b, n in enumerate(sizes):
+        own = build_draft_tree(tokens[b:b + 1], scores[b:b + 1], parents[b:b + 1], roots[b:b + 1], rpos[b:b + 1], n)
+        for name in ("tokens", "parents", "depth", "positions"):
+            assert torch.equal(getattr(got, name)[b, :n], getattr(own, name)[0]), (b, name)
+        assert torch.equal(got.mask[b, :n, :n], own.mask[0]) and not got.mask[b, :n, n:].any()
+        assert got.parents[b, n:].eq(-1).all() and got.tokens[b, n:].eq(roots[b]).all()
+        assert torch.equal(got.mask[b, n:, n:], torch.eye(N - n, dtype=torch.bool))
+        assert chosen[b, n - 1:].eq(-1).all() and chosen[b, :n - 1].ge(0).all()
+    logits = torch.zeros(B, N, 64)
+    logits[torch.arange(B), 0, roots] = 1.0                  # the target picks the root's own token: padding's
+    for walk in (kernels.accept_greedy, lambda t, p, m, z: kernels.accept_greedy_ref(t, p, m, z.argmax(-1))):
+        path, count, emitted = walk(got.tokens, got.parents, got.mask, logits)
+        for b, n in enumerate(sizes):
+            assert path[b, :int(count[b])].lt(n).all()
+
+
 def test_topk_logprobs_equals_log_softmax_topk():
     """The per-level top-k of the draft's log-probabilities in one pass: the indices of log_softmax + topk, the
     values to fp32 rounding; on ties the smaller index first."""

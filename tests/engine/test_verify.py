@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_draft, tiny_target
+from conftest import force_ragged_trees, random_draft, tiny_target
 
 from sglang_eagle3.engine import spec_worker as engine_mod
 from sglang_eagle3.engine.engine import SpeculativeEngine
@@ -182,16 +182,21 @@ def accept_with_p(target, draft, token):
 @pytest.mark.parametrize("biased,top_p,top_k,ext,drafter", [
     (False, 0.95, 0, True, "eagle"), (False, 1.0, 0, True, "eagle"), (False, 0.95, 6, False, "eagle"),
     (True, 0.95, 0, False, "eagle"), (False, 0.95, 0, True, "hybrid"), (False, 0.9, 6, False, "hybrid"),
-    (True, 0.95, 0, False, "hybrid"), (False, 0.95, 0, True, "suffix")])
+    (True, 0.95, 0, False, "hybrid"), (False, 0.95, 0, True, "suffix"), (False, 0.95, 0, True, "hybrid-ragged"),
+    (True, 0.95, 0, False, "eagle-ragged")])
 def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, drafter, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
     passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). The draft's children are sampled
     (recursive rejection sampling verifies them; the planted bias accepts with p instead of min(1, p / q)). ext:
     csrc draws the children and walks the trees (where the extension is built), else PyTorch does (Gumbel-top-k,
     sampled_tree's walk). hybrid / suffix: trees that hold nodes the context proposed (deterministic proposals
-    beside the draft's samples, or alone) stay exact too."""
+    beside the draft's samples, or alone) stay exact too. -ragged: the rows of a step hold trees of different sizes
+    (one verify budget for the batch; forced here)."""
     from sglang_eagle3.engine import sampled_tree
     from sglang_eagle3.engine.speculation import Drafting
+    drafter, _, ragged = drafter.partition("-")
+    if ragged:
+        ragged_steps = force_ragged_trees(monkeypatch)
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
     params = SamplingParams(max_new_tokens=3, temperature=0.8, top_p=top_p, top_k=top_k, ignore_eos=True)
     prompt = [3, 7, 1, 12, 5, 9, 0, 2, 4, 6, 8, 10, 11, 13, 14, 15, 3]   # every token once: each proposes
@@ -220,6 +225,7 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, 
                 counts[i, t] += 1
     assert (from_context > 100) == (drafter != "eagle")       # the mixed trees were there, and accepted from
     assert (sum(walks) > 1000) == (drafter != "suffix")       # and the draft's sampled children
+    assert not ragged or len(ragged_steps) >= 6               # and trees of different sizes in one step
     pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
     assert pvals[0] > 1e-3                       # first token comes from the prefill, never from the tree
     if biased:

@@ -395,6 +395,47 @@ def test_a_rows_verify_does_not_depend_on_the_batch(fused, kernel):
         del tm._layer_step_ok[extension.mode()]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["layer_step", "layer_by_layer"])
+def test_a_ragged_verify_computes_each_rows_own_tree(fused, monkeypatch):
+    """A verify whose rows hold trees of different sizes (row_tokens; the rest of each row padding that no real node
+    sees): each row's logits and features at its real nodes equal, bit for bit, a verify of that row's own tree
+    alone. Where csrc's layers run, the padding is not computed at all (x holds only the real tokens)."""
+    from sglang_eagle3.kernels import decode as K
+    from sglang_eagle3.kernels import extension
+    tm, _ = tiny_target("llama", dtype=torch.bfloat16, logit_scale=4.0, hidden_size=576, intermediate_size=1536,
+                        head_dim=64)
+    if tm.layers[0].wqkv.small is None:
+        pytest.skip("csrc's bf16 kernels are not available on this CPU")
+    torch.manual_seed(1)
+    sizes = [8, 1, 3, 8, 5, 2]
+    B, T, P = len(sizes), 8, 9
+    parents = [-1, 0, 0, 1, 2, 2, 5, 3]
+    depth = torch.tensor([len(path_to(parents, i)) - 1 for i in range(T)]) + P
+    prompts, trees = torch.randint(3, tm.vocab_size, (B, P)), torch.randint(3, tm.vocab_size, (B, T))
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    for b, n in enumerate(sizes):
+        mask[b, :n, :n] = tree_mask_of(parents[:n])
+        mask[b, n:, n:] = torch.eye(T - n, dtype=torch.bool)          # padding sees only itself
+    tm._layer_step_ok[extension.mode()] = fused
+    calls = []
+    real_step = K.layer_step
+    monkeypatch.setattr(K, "layer_step", lambda x, *a: calls.append(x.shape[:2]) or real_step(x, *a))
+    try:
+        cache = tm.new_cache(B, 32)
+        tm(cache, prompts, torch.arange(P).expand(B, P))
+        cache.commit_prefix(torch.arange(B), torch.full((B,), P))
+        calls.clear()
+        ragged = tm(cache, trees, depth.expand(B, T), tree_mask=mask, row_tokens=torch.tensor(sizes))
+        assert calls == ([torch.Size([1, sum(sizes)])] * tm.num_layers if fused else [])   # real tokens only
+        for b, n in enumerate(sizes):
+            alone = tm(cache, trees[b:b + 1, :n], depth[:n].view(1, n), tree_mask=tree_mask_of(parents[:n])[None],
+                       rows=torch.tensor([b]))
+            assert torch.equal(alone.logits[0], ragged.logits[b, :n]), b
+            assert torch.equal(alone.aux_hidden_states[0], ragged.aux_hidden_states[b, :n]), b
+    finally:
+        del tm._layer_step_ok[extension.mode()]
+
+
 def test_one_row_commit_moves_what_the_batched_commit_moves():
     """kvcache.commit has a one-row CPU path (strided copies) beside the gathers of the batched one: both move
     slot start+keep[j] to start+j and leave everything else alone."""

@@ -158,6 +158,17 @@ def test_a_completions_stream_echoes_then_sends_each_choices_logprobs_in_pieces(
     assert all(b["object"] == "text_completion" and b["id"] == "cmpl-1" for b in out[:-1])
 
 
+def test_a_delta_with_unicode_line_separators_stays_one_data_line():
+    """Text holding characters that line-splitting clients take for line ends (U+2028, U+2029, NEL: sampled text
+    can hold them) is escaped, the rest stays UTF-8: each event is one `data:` line however a client splits it
+    (httpx's aiter_lines, Python's splitlines), and it decodes to the text."""
+    text = " a\u2028b\x85c\u2029 é"
+    events, _ = run(info(), [request([5], text)], scripted((0, text, True, 0)), include_usage=False)
+    delta = next(e for e in events if "delta" in e and text[:2] in e)
+    assert "é" in delta and len(delta.splitlines()) == 2 and delta.splitlines()[1] == ""
+    assert json.loads(delta.splitlines()[0][6:])["choices"][0]["delta"]["content"] == text
+
+
 def test_a_failed_choice_ends_the_stream_with_an_error_event():
     ok = request([5], " w5", done=False)
     failed = request([], "", "error", error="RuntimeError: a kernel failed")

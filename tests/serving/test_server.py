@@ -626,15 +626,20 @@ def test_bench_serving_against_live_servers(live, tmp_path, folders):
     out = tmp_path / "serving.json"
     assert run(["--url", f"a={live.url}/v1", "--url", f"b={live.url}/v1", "--data", str(tmp_path / "data"),
                 "--datasets", "tiny", "--concurrency", "1,3", "--requests", "5", "--max-tokens", "6",
-                "--temperature", "default", "--out", str(out)]) == 0
+                "--temperature", "0,default", "--out", str(out)]) == 0
     r = report.read_json(str(out))
-    assert r["temperature"] is None and "server default" in r["title"]
+    assert r["temperatures"] == ["0", "default"] and "server default" in r["title"]
     for name in ("a", "b"):
-        for c in ("1", "3"):
-            lv = r["levels"][name][c]
-            assert lv["completed"] == 5 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0
-            assert lv["accept_length"] >= 1.0
-    assert "concurrency" in (tmp_path / "serving.md").read_text()
+        for t in ("0", "default"):
+            for c in ("1", "3"):
+                lv = r["levels"][name][t][c]
+                assert lv["completed"] == 5 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0
+                assert lv["accept_length"] >= 1.0
+                steps = lv["steps"]                   # from /metrics: the rows' trees and the draft's time
+                assert 0 <= steps["speculated_share"] <= 1 and steps["mean_tree"] >= 1
+                assert 0 <= steps["draft_share"] < 1
+    md = (tmp_path / "serving.md").read_text()
+    assert "concurrency" in md and "T=0\n" in md and "T=default (none sent" in md
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["prompts_repeated"] is True                      # 3 prompts for 2 x 5 requests + warm-up
 

@@ -277,11 +277,14 @@ inline void load_rope(const E* x, const E* cos, const E* sin, int64_t D, float* 
 }
 
 // Stores the new keys (rotated when cos/sin are given) and values, then attends; one task per (row, head).
+// row_tokens [B] (nullptr: T each): row b's new tokens are its first row_tokens[b] of T, the rest padding that is
+// neither stored nor attended (its outputs are left as they were).
 template <typename E>
 void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> out, const E* cos, const E* sin,
                     int64_t B, int64_t nH, int64_t nKV, int64_t T, int64_t D, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& lens,
-                    const at::Tensor& write_start, const at::Tensor& new_mask, double scale) {
+                    const at::Tensor& write_start, const at::Tensor& new_mask, double scale,
+                    const int64_t* row_tokens = nullptr) {
   const int64_t S = k_cache.size(2), F = new_mask.size(2), G = nH / nKV;
   const int64_t* rows_p = rows.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
@@ -297,7 +300,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
     std::vector<float> kf(D);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < nKV; ++h)
-        for (int64_t t = 0; t < T; ++t) {
+        for (int64_t t = 0; t < (row_tokens ? row_tokens[b] : T); ++t) {
           const int64_t dst = rows_p[b] * row_stride + h * head_stride + (ws_p[b] + t) * D;
           load_rope(kn.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, kf.data());
           for (int64_t d = 0; d < D; ++d) kc[dst + d] = from_f<E>(kf[d]);
@@ -308,7 +311,8 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
   // head h = kvh * G + g): each committed key block is converted to fp32 once per chunk and scored against every
   // query of the chunk, each value row once and added into every query's accumulator. Chunks are sized so that
   // there are a few tasks per thread even at batch 1. Per query, the sums run in the same order as for a lone
-  // query, so results do not depend on the chunking.
+  // query, so results do not depend on the chunking. A row with Tb < T new tokens has G * Tb queries (r = g * Tb + t);
+  // its chunks past them do nothing.
   const int64_t GT = G * T, threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(GT, (B * nKV * GT + 4 * threads - 1) / (4 * threads)));
   const int64_t chunks_per_head = (GT + chunk - 1) / chunk;
@@ -318,7 +322,9 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
     std::vector<const bool*> masks(chunk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (nKV * chunks_per_head), kvh = (task / chunks_per_head) % nKV;
-      const int64_t r0 = (task % chunks_per_head) * chunk, nq = std::min(chunk, GT - r0);
+      const int64_t Tb = row_tokens ? row_tokens[b] : T, r0 = (task % chunks_per_head) * chunk;
+      if (r0 >= G * Tb) continue;
+      const int64_t nq = std::min(chunk, G * Tb - r0);
       const int64_t L = lens_p[b], n = L + F;
       const E* K = kc + rows_p[b] * row_stride + kvh * head_stride;
       const E* V = vc + rows_p[b] * row_stride + kvh * head_stride;
@@ -328,7 +334,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
       if constexpr (std::is_same<E, at::BFloat16>::value) {
         if (D == 64 || D == 128) {                     // bf16 dot products: the rotated query is bf16 already
           for (int64_t i = 0; i < nq; ++i) {
-            const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+            const int64_t h = kvh * G + (r0 + i) / Tb, t = (r0 + i) % Tb;
             float* qi = qf.data() + i * D;
             load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
             for (int64_t d = 0; d < D; ++d) qb[i * D + d] = from_f<E>(qi[d]);
@@ -343,7 +349,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
 #endif
       if (!scored) {                                     // fp32 scores
         for (int64_t i = 0; i < nq; ++i) {
-          const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+          const int64_t h = kvh * G + (r0 + i) / Tb, t = (r0 + i) % Tb;
           float* qi = qf.data() + i * D;
           load_rope(q.at(b, h, t), cs_at(cos, b, t), cs_at(sin, b, t), D, qi);
           for (int64_t d = 0; d < D; ++d) qi[d] *= static_cast<float>(scale);
@@ -378,7 +384,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
           }
 #endif
         for (int64_t i = 0; i < nq; ++i) {
-          const int64_t t = (r0 + i) % T;
+          const int64_t t = (r0 + i) % Tb;
           const float* qi = qf.data() + i * D;
           float* si = scores.data() + i * n;
           for (int64_t s = s0; s < L; ++s) si[s] = dot(qi, K + s * D, D);
@@ -437,7 +443,7 @@ void attention_impl(HeadView<E> q, HeadView<E> kn, HeadView<E> vn, HeadView<E> o
         }
       }
       for (int64_t i = 0; i < nq; ++i) {
-        const int64_t h = kvh * G + (r0 + i) / T, t = (r0 + i) % T;
+        const int64_t h = kvh * G + (r0 + i) / Tb, t = (r0 + i) % Tb;
         const float* ai = acc.data() + i * D;
         E* orow = out.at(b, h, t);
         int64_t d = 0;
@@ -502,10 +508,13 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at
 }
 
 // qkv [B, T, (n_h + 2 n_kv) * D] straight from the fused projection; cos / sin [B, T, D]: rotary embedding
-// of q and k (as transformers computes it) fused in. Returns [B, T, n_h * D], ready for o_proj.
+// of q and k (as transformers computes it) fused in. Returns [B, T, n_h * D], ready for o_proj. row_tokens [B]
+// (optional): row b's real tokens are its first row_tokens[b]; the others are padding, not stored, not attended,
+// their outputs left unset.
 at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
                          at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
-                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale) {
+                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale,
+                         const c10::optional<at::Tensor>& row_tokens) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous [B, T, (n_h + 2 n_kv) * D]");
   const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), D = W / (nH + 2 * nKV);
   TORCH_CHECK(D * (nH + 2 * nKV) == W && nH % nKV == 0 && D % 2 == 0, "qkv width does not split into heads");
@@ -513,6 +522,15 @@ at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at:
               sin.scalar_type() == qkv.scalar_type() && cos.numel() == B * T * D && sin.numel() == B * T * D,
               "cos / sin must be contiguous [B, T, D] of qkv's dtype");
   check_pool_args(k_cache, v_cache, rows, lens, write_start, new_mask, B, nKV, T, D, qkv.scalar_type());
+  const int64_t* tokens_p = nullptr;
+  if (row_tokens && row_tokens->defined()) {
+    TORCH_CHECK(row_tokens->scalar_type() == at::kLong && row_tokens->numel() == B && row_tokens->is_contiguous(),
+                "qkv_attention: row_tokens must be a contiguous int64 [B]");
+    tokens_p = row_tokens->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(tokens_p[b] >= 1 && tokens_p[b] <= T, "qkv_attention: row_tokens[", b, "] = ", tokens_p[b],
+                  " outside [1, ", T, "]");
+  }
   at::Tensor out = at::empty({B, T, nH * D}, qkv.options());
   E3_DISPATCH(qkv.scalar_type(), "qkv_attention", [&] {
     using E = scalar_t;
@@ -520,7 +538,7 @@ at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at:
     HeadView<E> q{base, T * W, D, W}, k{base + nH * D, T * W, D, W}, v{base + (nH + nKV) * D, T * W, D, W};
     HeadView<E> o{out.data_ptr<E>(), T * nH * D, D, nH * D};
     attention_impl<E>(q, k, v, o, cos.data_ptr<E>(), sin.data_ptr<E>(), B, nH, nKV, T, D, k_cache, v_cache, rows,
-                      lens, write_start, new_mask, scale);
+                      lens, write_start, new_mask, scale, tokens_p);
   });
   return out;
 }

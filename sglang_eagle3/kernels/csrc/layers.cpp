@@ -25,17 +25,26 @@ LayerWeights make_layer_weights(at::Tensor input_norm, at::Tensor post_norm, dou
 }
 
 namespace {
-// o_proj(attention(qkv_proj(h))): h [B, T, K] -> [B, T, H]; rotary embedding, KV store and tree mask as qkv_attention
+// o_proj(attention(qkv_proj(h))): h [B, T, K] or packed [1, M, K] -> [B, T, H] or [1, M, H]; rotary embedding, KV store and tree mask as qkv_attention.
+// The step's layout is new_mask's [B, T]: M = B * T tokens, or, packed, M = sum(row_tokens) real tokens (row b's
+// first row_tokens[b]) at flat indices packed [M] of that layout; the attention reads them in place and skips the rest.
 at::Tensor attention_block(const at::Tensor& h, const LayerWeights& w, int64_t H, const at::Tensor& cos,
                            const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                            const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
-                           double scale) {
-  const int64_t B = h.size(0), T = h.size(1), M = B * T;
-  at::Tensor qkv = linear_bf16(h.view({M, h.size(2)}), w.wqkv, w.qkv_features, w.wqkv_bias)
-                       .view({B, T, w.qkv_features});
-  at::Tensor o = qkv_attention(qkv, cos, sin, w.num_heads, w.num_kv_heads, k_cache, v_cache, rows, lens, write_start,
-                               new_mask, scale);
-  return linear_bf16(o.view({M, o.size(2)}), w.wo, H, w.wo_bias).view({B, T, H});
+                           double scale, const c10::optional<at::Tensor>& packed = c10::nullopt,
+                           const c10::optional<at::Tensor>& row_tokens = c10::nullopt) {
+  const int64_t B = new_mask.size(0), T = new_mask.size(1), M = h.numel() / h.size(-1);
+  at::Tensor qkv = linear_bf16(h.view({M, h.size(-1)}), w.wqkv, w.qkv_features, w.wqkv_bias);   // [M, W]
+  if (packed) {                                       // into the [B, T] layout (padding left unset: never read)
+    at::Tensor laid = at::empty({B * T, w.qkv_features}, qkv.options());
+    laid.index_copy_(0, *packed, qkv);
+    qkv = laid;
+  }
+  at::Tensor o = qkv_attention(qkv.view({B, T, w.qkv_features}), cos, sin, w.num_heads, w.num_kv_heads, k_cache,
+                               v_cache, rows, lens, write_start, new_mask, scale, row_tokens);   // [B, T, nH * D]
+  o = o.view({B * T, o.size(2)});
+  if (packed) o = o.index_select(0, *packed);
+  return linear_bf16(o, w.wo, H, w.wo_bias).view({h.size(0), h.size(1), H});
 }
 
 // down(silu(gate) * up)(h): h [B, T, H] -> [B, T, H]
@@ -51,18 +60,27 @@ at::Tensor mlp_block(const at::Tensor& h, const LayerWeights& w) {
 //   x += delta (when given); captured = a copy of x (when asked, an auxiliary feature); h = RMSNorm(x)
 //   x += o_proj(attention(qkv_proj(h)))  (rotary embedding, KV store and tree mask as qkv_attention)
 //   returns [down(silu(gate) * up)(RMSNorm(x)), captured?]: the next layer's delta.
+// A ragged step (rows with fewer tree nodes than others): x [1, M, H] holds only the real tokens, row b's first
+// row_tokens[b] of new_mask's [B, T] layout, at its flat indices packed [M]; cos / sin / new_mask keep the layout.
+// Padding costs no product and no attention, and each real token's numbers are those of the unpacked step.
 std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>& delta, bool capture,
                                    const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                                    const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
-                                   double scale) {
+                                   double scale, const c10::optional<at::Tensor>& packed,
+                                   const c10::optional<at::Tensor>& row_tokens) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "layer_step: x [B, T, H] bf16");
+  const bool ragged = packed && packed->defined();
+  TORCH_CHECK(ragged == (row_tokens && row_tokens->defined()), "layer_step: packed and row_tokens come together");
+  if (ragged)
+    TORCH_CHECK(packed->scalar_type() == at::kLong && packed->dim() == 1 && x.size(0) == 1 &&
+                x.size(1) == packed->numel(), "layer_step: packed must be int64 [M] for x [1, M, H]");
   at::Tensor h = delta && delta->defined() ? add_rms_norm(x, *delta, w.input_norm, w.eps)
                                            : rms_norm(x, w.input_norm, w.eps);
   std::vector<at::Tensor> out;
   at::Tensor captured = capture ? x.clone() : at::Tensor();
   at::Tensor attn = attention_block(h, w, x.size(2), cos, sin, k_cache, v_cache, rows, lens, write_start, new_mask,
-                                    scale);
+                                    scale, ragged ? packed : c10::nullopt, ragged ? row_tokens : c10::nullopt);
   out.push_back(mlp_block(add_rms_norm(x, attn, w.post_norm, w.eps), w));
   if (capture) out.push_back(captured);
   return out;

@@ -13,7 +13,8 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_new, const at
                           const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
 at::Tensor qkv_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t nH, int64_t nKV,
                          at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& lens,
-                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale);
+                         const at::Tensor& write_start, const at::Tensor& new_mask, double scale,
+                         const c10::optional<at::Tensor>& row_tokens);
 
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
@@ -58,7 +59,8 @@ std::vector<at::Tensor> layer_step(at::Tensor x, const c10::optional<at::Tensor>
                                    const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                                    const at::Tensor& lens, const at::Tensor& write_start, const at::Tensor& new_mask,
-                                   double scale);
+                                   double scale, const c10::optional<at::Tensor>& packed,
+                                   const c10::optional<at::Tensor>& row_tokens);
 at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const LayerWeights& w,
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                        const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& write_start,
@@ -68,7 +70,8 @@ at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& hidden, const
 std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k);
 std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tensor& cand_scores,
                                    const at::Tensor& cand_parents, const at::Tensor& root_tokens,
-                                   const at::Tensor& root_positions, int64_t num_draft_tokens);
+                                   const at::Tensor& root_positions, int64_t num_draft_tokens,
+                                   const c10::optional<at::Tensor>& row_nodes);
 std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);
 std::vector<at::Tensor> accept_sampling(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits,
                                         double temperature, int64_t top_k, double top_p, const at::Tensor& uniforms);

@@ -196,10 +196,13 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k) {
 // build_draft_tree's selection and layout (tree.py): the n = min(num_draft_tokens - 1, C) best candidates by
 // score (stable: on equal scores the earlier candidate), in creation order, under the root.
 // cand_tokens, cand_parents [B, C] int64 (parent -1 = root), cand_scores [B, C] fp32, root_tokens, root_positions [B].
+// row_nodes [B] (optional, each in [1, N]): row b takes only its row_nodes[b] - 1 best; its nodes past them are
+// padding: the root's token and position, parent -1 (no walk reaches them), depth 0, seeing only themselves.
 // Returns tokens, parents, depth, positions [B, N] int64 and mask [B, N, N] bool (N = n + 1).
 std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tensor& cand_scores,
                                    const at::Tensor& cand_parents, const at::Tensor& root_tokens,
-                                   const at::Tensor& root_positions, int64_t num_draft_tokens) {
+                                   const at::Tensor& root_positions, int64_t num_draft_tokens,
+                                   const c10::optional<at::Tensor>& row_nodes) {
   TORCH_CHECK(cand_tokens.dim() == 2 && cand_tokens.sizes() == cand_scores.sizes() &&
               cand_tokens.sizes() == cand_parents.sizes(), "build_tree: candidates must be [B, C]");
   TORCH_CHECK(cand_tokens.scalar_type() == at::kLong && cand_parents.scalar_type() == at::kLong &&
@@ -208,6 +211,14 @@ std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tens
   const int64_t B = cand_tokens.size(0), C = cand_tokens.size(1);
   TORCH_CHECK(root_tokens.numel() == B && root_positions.numel() == B, "build_tree: one root per row");
   const int64_t n = std::max<int64_t>(0, std::min<int64_t>(num_draft_tokens - 1, C)), N = n + 1;
+  at::Tensor rn;
+  if (row_nodes && row_nodes->defined()) {
+    rn = row_nodes->to(at::kLong).contiguous();
+    TORCH_CHECK(rn.numel() == B, "build_tree: row_nodes must hold one count per row");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(rn.data_ptr<int64_t>()[b] >= 1 && rn.data_ptr<int64_t>()[b] <= N, "build_tree: row_nodes[", b,
+                  "] = ", rn.data_ptr<int64_t>()[b], " outside [1, ", N, "]");
+  }
   at::Tensor ct = cand_tokens.contiguous(), cs = cand_scores.contiguous(), cp = cand_parents.contiguous();
   at::Tensor rt = root_tokens.contiguous(), rp = root_positions.contiguous();
   auto opt = cand_tokens.options();
@@ -220,19 +231,20 @@ std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tens
   bool* mk = mask.data_ptr<bool>();
   std::vector<int64_t> order(C), node_of(C);
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t nb = rn.defined() ? rn.data_ptr<int64_t>()[b] - 1 : n;   // this row's candidates
     const float* s = csp + b * C;
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return s[x] > s[y]; });
-    std::sort(order.begin(), order.begin() + n);                   // the chosen, in creation order
+    std::sort(order.begin(), order.begin() + nb);                  // the chosen, in creation order
     std::fill(node_of.begin(), node_of.end(), -1);
-    for (int64_t i = 0; i < n; ++i) node_of[order[i]] = i + 1;
+    for (int64_t i = 0; i < nb; ++i) node_of[order[i]] = i + 1;
     int64_t *t = tk + b * N, *p = pa + b * N, *d = de + b * N, *q = po + b * N;
     bool* m = mk + b * N * N;
     t[0] = rt.data_ptr<int64_t>()[b];
     p[0] = -1;
     d[0] = 0;
     m[0] = true;
-    for (int64_t i = 1; i < N; ++i) {
+    for (int64_t i = 1; i <= nb; ++i) {
       const int64_t c = order[i - 1], pc = cpp[b * C + c];
       const int64_t parent = pc < 0 ? 0 : node_of[pc];
       TORCH_CHECK(parent >= 0 && parent < i, "draft tree selection is not closed under ancestors");
@@ -240,6 +252,12 @@ std::vector<at::Tensor> build_tree(const at::Tensor& cand_tokens, const at::Tens
       p[i] = parent;
       d[i] = d[parent] + 1;
       std::copy(m + parent * N, m + parent * N + N, m + i * N);  // the parent's ancestors, then itself
+      m[i * N + i] = true;
+    }
+    for (int64_t i = nb + 1; i < N; ++i) {                       // padding
+      t[i] = t[0];
+      p[i] = -1;
+      d[i] = 0;
       m[i * N + i] = true;
     }
     const int64_t root_pos = rp.data_ptr<int64_t>()[b];
