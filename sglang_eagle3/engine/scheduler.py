@@ -266,7 +266,8 @@ class Scheduler:
             res = self.worker.step([r.row for r in active], [r.params for r in active], [r.generator for r in active],
                                    spec, [r.rid for r in active], context, proposer, self.planner)
             if chosen:
-                self.choice.observe(len(active), sum(map(len, res.emitted)), res.times.draft + res.times.verify)
+                self.choice.observe(len(active), sum(map(len, res.emitted)),
+                                    res.times.draft + res.times.verify - res.owed_s)
             self._count(res)
             for req, tokens, logprobs, from_context in zip(active, res.emitted, res.logprobs, res.from_context):
                 kept = self._emit(req, tokens, logprobs)

@@ -101,6 +101,7 @@ class StepResult:
                                                                    # proposed by the context alone
     row_nodes: list[int] = field(default_factory=list)   # per row, its tree's nodes (the root included): what the
                                                          # verify computed for it
+    owed_s: float = 0.0                 # of times.draft, the extend work earlier steps held back (their pairs, prompts)
 
 
 class SpecWorker:
@@ -178,7 +179,8 @@ class SpecWorker:
         if planner is not None:
             planner.observe(record)                                 # verify costs, the draft's rate, idle stretches
         return StepResult(rows, verified.emitted, record.times, verified.logprobs, plan.tree.num_nodes, plan.drafted,
-                          accepted_from_context(plan, verified), row_nodes=plan.row_nodes(batch.size))
+                          accepted_from_context(plan, verified), row_nodes=plan.row_nodes(batch.size),
+                          owed_s=record.owed_s)
 
     def batch(self, rows: list[int], params: list[SamplingParams], generators: list[Optional[torch.Generator]],
               spec: Optional[SpecConfig], keys: Sequence, context: int) -> StepBatch:

@@ -306,16 +306,17 @@ def test_step_choice_keeps_to_what_delivers_and_tries_the_other_now_and_then():
     assert picks.count(False) == 2 * len(tries) and 3 <= len(tries) <= 5   # at 32, 64, 128, 256, 512 steps
     picks = run(400, 150, 200)                        # speculation now costs more than it yields: followed
     assert picks[-300:].count(True) <= 2 * 3 and not picks[-1]
-    assert choice.speculates(4)                       # another batch size: its own, tried afresh
-    choice.observe(5, 10, 1.0)                        # a step of another batch size is not counted
-    assert choice.sums[4] == {} and choice.rate(4, True) is None
+    assert choice.speculates(8)                       # another batch size: its own, tried afresh
+    choice.observe(9, 10, 1.0)                        # a step of another batch size is not counted
+    assert choice.sums[8] == {} and choice.rate(8, True) is None
+    assert all(choice.speculates(b) for b in range(1, StepChoice.MIN_BATCH) for _ in range(100))   # small: always
     # a ratio of sums: steps of 1 and 7 tokens in the same seconds average 4 tokens a step, not their rates' mean
     steady = StepChoice()
-    steady.speculates(2)
+    steady.speculates(16)
     for t in (1, 7) * 20:
-        steady.chosen = (2, True, True)
-        steady.observe(2, t, 0.01)
-    assert 350 < steady.rate(2, True) < 450
+        steady.chosen = (16, True, True)
+        steady.observe(16, t, 0.01)
+    assert 350 < steady.rate(16, True) < 450
 
 
 def test_a_fixed_trees_greedy_steps_may_run_plain_its_sampling_steps_never(monkeypatch):
