@@ -376,8 +376,9 @@ def level_prompts(prompts: list[str], sizes: list[int], warm: int) -> list[list[
 def run(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_at_least(1, flags_of(a, "requests", "max_tokens", "max_running"))
-    if any(t is not None and not t >= 0 for t in a.temperature):
-        raise UserError(f"--temperature must be >= 0 (or default), got {','.join(map(str, a.temperature))}")
+    bad = [t for t in a.temperature if t is not None and not t >= 0]
+    if bad:
+        raise UserError(f"--temperature must be >= 0, got {bad[0]:g} (a number >= 0 or `default` each)")
     keys = [temperature_key(t) for t in a.temperature]
     if len(set(keys)) < len(keys):
         raise UserError(f"--temperature names a temperature twice: {','.join(keys)}")
