@@ -234,13 +234,12 @@ def table(result: dict, temperature: str) -> str:
         [f"{n} req/s" for n in names] + [f"{n} TTFT p50/p99 ms" for n in names] + \
         [f"{n} ITL p50/p99 ms" for n in names] + [f"{n} accept len" for n in others] + \
         [f"{n} speculated rows / mean tree / draft share" for n in others]
-    rows = []
-    for c in result["concurrency"]:
+    rows, ratios = [], {n: speedups(result, temperature, n) for n in others}
+    for i, c in enumerate(result["concurrency"]):
         lv = {n: result["levels"][n][temperature][str(c)] for n in names}
         ms = lambda a, b: f"{a * 1e3:.0f} / {b * 1e3:.0f}" if a is not None and b is not None else "-"  # noqa: E731
         row = [str(c)] + [f"{lv[n]['output_tokens_per_s']:.1f}" for n in names]
-        row += [report.fmt_speedup(report.safe_div(lv[n]["output_tokens_per_s"], lv[base]["output_tokens_per_s"]))
-                for n in others]
+        row += [report.fmt_speedup(ratios[n][i]) for n in others]
         row += [f"{lv[n]['requests_per_s']:.2f}" for n in names]
         row += [ms(lv[n]["ttft_p50_s"], lv[n]["ttft_p99_s"]) for n in names]
         row += [ms(lv[n]["itl_p50_s"], lv[n]["itl_p99_s"]) for n in names]

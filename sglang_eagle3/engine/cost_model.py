@@ -165,13 +165,14 @@ def choose_row_sizes(scores: list[list[float]], costs: StepCosts, batch: int, ma
     per_row = max(0, max_nodes - 1)
     joined = sorted(((min(1.0, scale * math.exp(x)), b) for b, s in enumerate(scores) for x in s[:per_row]),
                     key=lambda c: -c[0])                       # stable: each row's candidates stay best first
-    verify = [costs.verify_s(batch, n, context) for n in range(1, max_nodes + 1)]   # [n - 1]: n nodes per row
+    top = min(max_nodes, 2 + len(joined) // batch)             # the largest row size the joined ones can reach
+    verify = [costs.verify_s(batch, n, context) for n in range(1, top + 1)]        # [n - 1]: n nodes per row
     best_m, best_tokens, best_s = 0, float(batch), draft_s + verify[0]
     tokens = float(batch)
     for m, (chance, _) in enumerate(joined, 1):
         tokens += chance
         whole, part = divmod(m, batch)                         # mean size 1 + m / batch, between two rows' sizes
-        seconds = draft_s + verify[whole] + (part / batch) * (verify[min(whole + 1, max_nodes - 1)] - verify[whole])
+        seconds = draft_s + verify[whole] + (part / batch) * (verify[min(whole + 1, top - 1)] - verify[whole])
         if tokens * best_s > best_tokens * seconds:
             best_m, best_tokens, best_s = m, tokens, seconds
     sizes = [1] * batch
@@ -235,8 +236,8 @@ class TreePlanner:
         scores) are read through the calibration its verifies learn."""
         scale = self.chance_scale if sampled else 1.0
         sizes, tokens, seconds = choose_row_sizes(scores, self, batch, self.max_nodes, draft_s, context, scale)
-        chosen = sum(math.exp(x) for s, n in zip(scores, sizes) for x in s[:n - 1])
-        self.expected = chosen if sampled and max(sizes) > 1 else None
+        self.expected = sum(math.exp(x) for s, n in zip(scores, sizes) for x in s[:n - 1]) \
+            if sampled and max(sizes) > 1 else None
         if sampled and max(sizes) == 1 and self.expected_avg is not None:
             self.relax_chance_scale()
         return sizes, tokens / seconds
@@ -294,12 +295,13 @@ class TreePlanner:
         if step.forward_s is not None:
             self.observe_verify(step.batch, step.nodes, step.context, step.forward_s)
         seconds = step.times.draft + step.times.verify
-        self.choice.observe(step.batch, step.tokens, seconds - step.owed_s)
         if not step.drafted and step.nodes <= 1 and seconds > 0:
             self._ema(self.step_factor, step.batch, seconds / self.verify_s(step.batch, 1, step.context))
-        # a drafted step's rate without the extend work earlier undrafted steps left to it: drafting every step
-        # would have spread that work over them
-        self.observe_step(step.batch, step.drafted, step.tokens, seconds - step.owed_s)
+        # the rates without the extend work earlier undrafted steps left to this one: drafting every step would have
+        # spread that work over them
+        own_s = seconds - step.owed_s
+        self.choice.observe(step.batch, step.tokens, own_s)
+        self.observe_step(step.batch, step.drafted, step.tokens, own_s)
 
     def observe_size(self, batch: int, nodes: int, drafted: bool) -> None:
         """A step's tree: the root alone and no draft counts toward an idle stretch, anything else ends it."""

@@ -257,10 +257,10 @@ class Scheduler:
             context = max(len(r.prompt_ids) + len(r.output_ids) for r in active)      # the longest row's tokens
             if self.planner is not None:
                 self.planner.prepare(len(active))          # this batch size's costs: measured the first time
-            spec, proposer = self.spec_for(len(active), not all(r.params.greedy for r in active), context), self.context
+            greedy = all(r.params.greedy for r in active)
+            spec, proposer = self.spec_for(len(active), not greedy, context), self.context
             # only all-greedy steps may go plain: a seeded sampling request's draws must not depend on timings
-            chosen = self.choice is not None and all(r.params.greedy for r in active) and \
-                (spec is not None or proposer is not None)
+            chosen = self.choice is not None and greedy and (spec is not None or proposer is not None)
             if chosen and not self.choice.speculates(len(active)):
                 spec, proposer = None, None
             res = self.worker.step([r.row for r in active], [r.params for r in active], [r.generator for r in active],

@@ -302,12 +302,12 @@ def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int,
     """The tree of the num_nodes - 1 best candidates (num_nodes - 1 <= every row's real candidates; a ragged tree:
     row b's row_nodes[b] - 1 best, num_nodes = max(row_nodes)) and, per node, whether the context alone proposed it
     ([B, num_nodes] bool; the root and padding: False)."""
-    wanted = [num_nodes] * len(cands.finite()) if row_nodes is None else row_nodes
-    short = [b for b, (n, have) in enumerate(zip(wanted, cands.finite())) if n - 1 > have]
+    have = cands.finite()
+    wanted = [num_nodes] * len(have) if row_nodes is None else row_nodes
+    short = [b for b, n in enumerate(wanted) if n - 1 > have[b]]
     if short:
         b = short[0]
-        raise ValueError(f"a tree of {wanted[b]} nodes needs {wanted[b] - 1} candidates in row {b}, it has "
-                         f"{cands.finite()[b]}")
+        raise ValueError(f"a tree of {wanted[b]} nodes needs {wanted[b] - 1} candidates in row {b}, it has {have[b]}")
     tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes,
                             row_nodes)
     context = gather_candidates(cands.from_context, chosen_candidates(cands, num_nodes, tree.row_nodes), False)
