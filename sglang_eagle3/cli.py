@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = [
     "sglang_eagle3.training.data_cli",
     "sglang_eagle3.training.synthesize",
     "sglang_eagle3.training.regenerate",
+    "sglang_eagle3.training.calibrate",
     "sglang_eagle3.training.trainer.cli",
     "sglang_eagle3.serving.launcher",
 ]

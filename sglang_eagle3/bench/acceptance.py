@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=data_dir(), help="data folder (default: $EAGLE3_DATA or ../shared/data)")
     p.add_argument("--n", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", default="0",
+                   help="sampling temperature (default 0: greedy); a comma list (0,0.7,1) runs the whole benchmark at "
+                        "each, into OUT_T<t>.json, and writes OUT with them side by side")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at temperature > 0 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens per turn")
@@ -266,6 +268,7 @@ def run(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
+    from sglang_eagle3.bench.temperatures import parse_temperatures, run_each
     from sglang_eagle3.engine.engine import SpeculativeEngine
     from sglang_eagle3.engine.loader import load_engine
     from sglang_eagle3.engine.prompts import load_prompts
@@ -273,8 +276,16 @@ def run(argv=None) -> int:
     from sglang_eagle3.engine.verify import SamplingParams
     from sglang_eagle3.errors import UserError, check_at_least, flags_of
     from sglang_eagle3.models.testbed import resolve_target
-
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    temperatures = parse_temperatures(a.temperature)
+    if len(temperatures) > 1:
+        if a.choose_into:
+            raise UserError(f"--choose-into {a.choose_into} records one temperature's best column: give one "
+                            "--temperature")
+        check_mode(a)
+        return run_each(run, argv, temperatures, a.out)
+    a.temperature = temperatures[0]
     columns = check_mode(a)
     a.dtype = resolve_dtype(a.dtype)
     apply_compile_arg(a)
@@ -296,7 +307,7 @@ def run(argv=None) -> int:
         from sglang_eagle3.bench.drafters import run_drafters
         resolved = [(name, column_settings(a, draft, drafter, tree, children)) for name, drafter, tree, children
                     in columns]
-        a.argv = list(sys.argv[1:] if argv is None else argv)
+        a.argv = argv
         return run_drafters(a, sets, resolve_target(a.target), draft, resolved)
     # batch 1: one prompt at a time; the draft model's tree (--drafters compares the others)
     settings = settings_from_args(argparse.Namespace(**{**vars(a), "drafter": "eagle", "tree": "profile"}), draft,

@@ -76,9 +76,11 @@ class DraftProposer:
     """The EAGLE-3 draft: its candidates from its state at each row's root, and its pairs held until they are
     needed. State in fixed-size tensors indexed by pool row."""
 
-    def __init__(self, draft, target, num_rows: int, max_len: int, tree_slots: int, sampled_children: bool = True):
+    def __init__(self, draft, target, num_rows: int, max_len: int, tree_slots: int, sampled_children: bool = True,
+                 calibration=None):
         c, dev, dtype = draft.config, target.device, target.dtype
         self.draft, self.sampled_children = draft, sampled_children
+        self.calibration = calibration          # draft_calibration.DraftCalibration of sampled children (None: raw q)
         self.dpool = KVPool(1, num_rows, c.num_key_value_heads, max_len + tree_slots + 2, c.head_dim, dtype, dev)
         self.d_hidden = torch.zeros(num_rows, c.hidden_size, dtype=dtype, device=dev)
         self.d_logits = torch.zeros(num_rows, c.draft_vocab_size, dtype=dtype, device=dev)
@@ -124,7 +126,8 @@ class DraftProposer:
         sampler = None
         if self.sampled_children and not all(batch.greedy):
             slots = 1 + (batch.spec.num_steps - 1) * batch.spec.topk               # the root and the forwarded nodes
-            sampler = DraftSampler(batch.params, batch.generators, slots, self.root_children(beside))
+            sampler = DraftSampler(batch.params, batch.generators, slots, self.root_children(beside),
+                                   self.calibration)
         with record_function("eagle3::draft_tree"):
             return draft_candidates(self.draft, self.dpool, batch.index, self.d_hidden[batch.index],
                                     self.d_logits[batch.index], batch.roots, batch.root_pos, batch.spec,

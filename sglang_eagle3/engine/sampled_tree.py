@@ -192,14 +192,18 @@ class DraftSampler:
     without replacement; a greedy row keeps EAGLE-2's k likeliest. Each child's score is its parent's plus the log
     of the rank-th largest q: a function of the parent and the child's rank, never of the token drawn, so a tree
     that keeps the best-scoring nodes keeps a prefix of each node's draws (and the shape EAGLE-2 would give the
-    same parents). Every q a sampled row draws from is kept for the verify (slot s of `probs`)."""
+    same parents). Every q a sampled row draws from is kept for the verify (slot s of `probs`). calibration
+    (draft_calibration.DraftCalibration; None: q at the row's own temperature) sharpens each depth's q: the call for
+    depth d draws at temperature T / scale[d]."""
 
-    def __init__(self, params: Sequence, generators: Sequence, num_slots: int, excluded: Sequence[Sequence[int]] = ()):
+    def __init__(self, params: Sequence, generators: Sequence, num_slots: int, excluded: Sequence[Sequence[int]] = (),
+                 calibration=None):
         self.params, self.generators = list(params), list(generators)
         self.sampled = [not p.greedy for p in params]
-        self.num_slots, self.excluded = num_slots, list(excluded)
+        self.num_slots, self.excluded, self.calibration = num_slots, list(excluded), calibration
         self.probs: Optional[torch.Tensor] = None             # [B, num_slots, Vd] q at each expanded node
         self.used = 0
+        self.depth = 0                                        # the depth of the nodes the next call expands
 
     def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits [B, M, Vd] of M expanded nodes per row -> each node's k children: scores [B, M, k] (log of the
@@ -220,25 +224,29 @@ class DraftSampler:
             top, top_ids = K.topk_logprobs(logits[at], k)
             scores[at], ids[at] = top.float(), top_ids.long()
         drawn_from = torch.full((B, M, k), -1, dtype=torch.long, device=logits.device)
+        scale = self.calibration.at(self.depth) if self.calibration is not None else 1.0
         for b in (b for b, s in enumerate(self.sampled) if s):
             excluded = self.excluded[b] if first and b < len(self.excluded) else []
-            q, scores[b], drawn = self.draw(logits[b], self.params[b], k, excluded, self.generators[b])
+            q, scores[b], drawn = self.draw(logits[b], self.params[b], k, excluded, self.generators[b], scale)
             self.probs[b, slots] = q
             ids[b] = drawn.clamp(min=0)                                            # (-1: no draw, score -inf)
             drawn_from[b] = slots.view(M, 1)
         self.used += M
+        self.depth += 1
         return scores, ids, drawn_from
 
     @staticmethod
-    def draw(logits: torch.Tensor, params, k: int, excluded: Sequence[int],
-             generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One row's nodes, logits [M, Vd] -> q [M, Vd], the log of its k largest values [M, k] and k draws without
-        replacement from q [M, k] (-1 past its tokens): csrc's one pass per node where it runs, else Gumbel-top-k."""
+    def draw(logits: torch.Tensor, params, k: int, excluded: Sequence[int], generator: Optional[torch.Generator],
+             scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One row's nodes, logits [M, Vd] -> q [M, Vd] (at temperature params.temperature / scale, the request's
+        top-k and top-p), the log of its k largest values [M, k] and k draws without replacement from q [M, k] (-1
+        past its tokens): csrc's one pass per node where it runs, else Gumbel-top-k."""
+        temperature = params.temperature / scale
         if K.sampling_in_extension(logits):
             u = torch.rand(logits.shape[0], k, dtype=torch.float64, device=logits.device, generator=generator)
             ex = torch.tensor(list(excluded), dtype=torch.long, device=logits.device)
-            return K.draft_children(logits, params.temperature, params.top_k, params.top_p, k, ex, u)
-        q = K.sampling_probs(logits, params.temperature, params.top_k, params.top_p)        # [M, Vd]
+            return K.draft_children(logits, temperature, params.top_k, params.top_p, k, ex, u)
+        q = K.sampling_probs(logits, temperature, params.top_k, params.top_p)               # [M, Vd]
         if len(excluded):
             q[:, list(excluded)] = 0.0
             q = q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)

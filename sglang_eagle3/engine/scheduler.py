@@ -161,7 +161,7 @@ class Scheduler:
         self.tree_slots = tree_slots(settings, draft is not None)
         draft_slots = max((t.draft_slots for t in settings.trees(draft is not None)), default=0)
         self.worker = SpecWorker(target, draft, max_running, max_len, draft_slots,
-                                 sampled_children=drafting.children == "sampled")
+                                 sampled_children=drafting.children != "top-k", calibration=settings.calibration)
         learnt = learnt or Learnt()
         self.context = learnt.context
         if self.context is None and drafting.uses_context:

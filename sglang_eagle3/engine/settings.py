@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from sglang_eagle3.engine.draft_calibration import DraftCalibration, calibration_path
 from sglang_eagle3.engine.profile import SpecProfile, draft_profile_path, host_kind
 from sglang_eagle3.engine.speculation import DRAFT_CHILDREN, DRAFTERS, MAX_NODES, TREE_SIZING, Drafting, SpecConfig
 from sglang_eagle3.errors import UserError, check_at_least
@@ -70,6 +71,8 @@ class Settings:
     max_running: int = MAX_RUNNING      # requests decoded together at most
     max_queue: int = MAX_QUEUE          # waiting requests beyond which a new one is refused (503)
     max_len: Optional[int] = None       # KV slots per request (--max-len); None: see slots_per_request
+    # the draft folder's draft_calibration.json, read where sampled children use it (None: none, or not used)
+    calibration: Optional[DraftCalibration] = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -189,7 +192,19 @@ def resolve_settings(draft: Optional[str], *, embedded_target: bool = False, dty
     limits = {"max_running": MAX_RUNNING if max_running is None else max_running,
               "max_queue": MAX_QUEUE if max_queue is None else max_queue, "max_len": max_len} if server else {}
     kept = found.draft if drafting.uses_draft else None     # suffix: context proposals only, no draft model loaded
-    return Settings(dtype, kept, found.tree, found.profile, found.source, batch_size, drafting, device, **limits)
+    return Settings(dtype, kept, found.tree, found.profile, found.source, batch_size, drafting, device, **limits,
+                    calibration=read_calibration(kept) if drafting.children == "sampled" else None)
+
+
+def read_calibration(draft: Optional[str]) -> Optional[DraftCalibration]:
+    """The draft folder's draft_calibration.json (None: it has none); a bad one is a one-line UserError."""
+    path = calibration_path(draft)
+    if path is None:
+        return None
+    try:
+        return DraftCalibration.read(path)
+    except ConfigError as e:
+        raise UserError(f"{e} (delete it, or run with --draft-children sampled-raw)") from None
 
 
 def server_pool(pool_tokens: Optional[int], drafting: Drafting, has_draft: bool) -> int:
@@ -380,8 +395,10 @@ def add_spec_args(p: argparse.ArgumentParser, profile: bool = True) -> None:
 
 def add_children_arg(g) -> None:
     g.add_argument("--draft-children", choices=list(DRAFT_CHILDREN), default="sampled",
-                   help="at temperature > 0: sampled (default) draws the draft's children from its distribution and "
-                        "verifies them by recursive rejection sampling; top-k takes its likeliest tokens and accepts "
+                   help="at temperature > 0: sampled (default) draws the draft's children from its distribution, "
+                        "sharpened per tree depth by the draft folder's draft_calibration.json where it has one "
+                        "(sampled-raw: at the request's own temperature), and verifies them by recursive rejection "
+                        "sampling; top-k takes its likeliest tokens and accepts "
                         "each with the target's probability (the EAGLE authors' scheme). Both keep the target's "
                         "distribution exactly; greedy decoding is the same either way")
 

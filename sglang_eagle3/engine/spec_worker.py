@@ -106,9 +106,10 @@ class StepResult:
 
 class SpecWorker:
     def __init__(self, target, draft=None, num_rows: int = 1, max_len: int = 256, draft_tree_slots: int = 0,
-                 cuda_graphs: Optional[bool] = None, sampled_children: bool = True):
+                 cuda_graphs: Optional[bool] = None, sampled_children: bool = True, calibration=None):
         """sampled_children: sampling rows draw the draft's children and verify them by recursive rejection sampling
-        (else the draft's top-k, each accepted with the target's p)."""
+        (else the draft's top-k, each accepted with the target's p); calibration (draft_calibration.DraftCalibration,
+        None: none): the per-depth sharpening of the q they are drawn from."""
         self.target = target
         dev = target.device
         self.num_rows, self.max_len = num_rows, max_len
@@ -121,7 +122,8 @@ class SpecWorker:
             self.graphs = CudaGraphRunner(target, self.tpool, spare_row=num_rows, want_aux=draft is not None)
         self.roots = torch.zeros(num_rows, dtype=torch.long, device=dev)        # last verified token per row
         self.root_pos = torch.zeros(num_rows, dtype=torch.long, device=dev)     # its position
-        self.drafter = DraftProposer(draft, target, num_rows, max_len, draft_tree_slots, sampled_children) \
+        self.drafter = DraftProposer(draft, target, num_rows, max_len, draft_tree_slots, sampled_children,
+                                     calibration) \
             if draft is not None else None
 
     def nbytes(self) -> int:

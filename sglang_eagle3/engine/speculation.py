@@ -47,7 +47,8 @@ class SpecConfig:
 
 
 DRAFTERS = ("eagle", "suffix", "hybrid")
-DRAFT_CHILDREN = ("sampled", "top-k")    # how a sampling request's draft children are picked (Drafting.children)
+DRAFT_CHILDREN = ("sampled", "sampled-raw", "top-k")   # how a sampling request's draft children are picked
+                                                       # (Drafting.children)
 TREE_SIZING = ("profile", "auto")
 MAX_NODES = 128                  # the largest per-step tree (--tree auto); cost_model times verifies up to 128 tokens
 DRAFTING_COUNTS = ("max_nodes", "context_tokens", "context_branches", "min_match")
@@ -87,8 +88,9 @@ class Drafting:
     min_match: int = 2               # shortest suffix match that proposes
     pool_tokens: int = 0             # tokens of recent requests searched too (the server; 0: none)
     children: str = "sampled"        # at temperature > 0: the draft's children drawn from its distribution and
-                                     # verified by recursive rejection sampling (sampled_tree.py), or its top-k
-                                     # accepted with the target's p (top-k: the EAGLE authors' scheme)
+                                     # verified by recursive rejection sampling (sampled_tree.py), sharpened per
+                                     # depth by the draft's calibration where it has one (sampled-raw: never), or
+                                     # its top-k accepted with the target's p (top-k: the EAGLE authors' scheme)
 
     def __post_init__(self):
         fields = {"drafter": self.drafter, "tree": self.tree}

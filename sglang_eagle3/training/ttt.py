@@ -381,15 +381,26 @@ def learned_targets(draft, lm_head: nn.Module, last_hidden: torch.Tensor, needed
     return TTTTargets(p, p_row, top, in_vocab, draft_ids)
 
 
-def ttt_step(draft, k: int, hidden: torch.Tensor, alive: Optional[torch.Tensor],
-             s: StepInputs) -> tuple[Optional[StepResult], torch.Tensor, Optional[torch.Tensor]]:
-    """Step k grows each chain by one token: at base position t it feeds the data token x_{t+k+1} (RoPE position
-    t+k) with step k-1's hidden and learns the target's distribution at t+k+1.
-    hidden [B, T_{k-1}, H] (step 0: the features [B, T, H]), alive [B, T_{k-1}] (step 0: None) -> (the step's loss
-    and counts, None where no chain reaches it; hidden [B, T_k, H] and alive [B, T_k] for step k+1)."""
+@dataclass
+class DraftStep:
+    """Step k's draft forward over the chains it grows."""
+    at: StepPositions
+    h: torch.Tensor                  # [B, T_k, H] the draft's output (pre-norm)
+    alive: Optional[torch.Tensor]    # [B, T_{k-1}] step k-1's alive chains pruned to this step's (None at step 0)
+    sel: torch.Tensor                # [B, T_k] positions with logits (some step scores them)
+    counted: torch.Tensor            # [B, T_k] positions counted for accuracy
+    base_row: Optional[torch.Tensor]  # [B, T_k] packed: each base position's row
+    logits: torch.Tensor             # [S, Vd] the draft's logits at sel
+
+
+def draft_step(draft, k: int, hidden: torch.Tensor, alive: Optional[torch.Tensor],
+               s: StepInputs) -> Optional[DraftStep]:
+    """Step k's forward: at base position t it feeds the data token x_{t+k+1} (RoPE position t+k) with step k-1's
+    hidden -> its output and its logits where some step scores them; None where no chain reaches step k.
+    hidden [B, T_{k-1}, H] (step 0: the features [B, T, H]), alive [B, T_{k-1}] (step 0: None)."""
     at = StepPositions.of(k, s.grown, s.input_ids.shape[1])
     if at is None:
-        return None, hidden, alive
+        return None
     if k == 0:
         hidden = hidden[:, :at.n]
     else:
@@ -397,13 +408,24 @@ def ttt_step(draft, k: int, hidden: torch.Tensor, alive: Optional[torch.Tensor],
         s.attend.select(at.pick)
     h = draft(at.ahead(s.input_ids), hidden, at.shifted(s.rows.positions, 0) + k, attend=s.attend)   # [B, T_k, H]
     sel, counted, base_row = step_masks(at, s)                          # [B, T_k] each
-    logits = draft.compute_logits(h[sel])                               # [S, Vd]
-    loss = step_loss(logits, at, sel, base_row, s)
+    return DraftStep(at, h, alive, sel, counted, base_row, draft.compute_logits(h[sel]))
+
+
+def ttt_step(draft, k: int, hidden: torch.Tensor, alive: Optional[torch.Tensor],
+             s: StepInputs) -> tuple[Optional[StepResult], torch.Tensor, Optional[torch.Tensor]]:
+    """Step k grows each chain by one token (draft_step) and learns the target's distribution at t+k+1.
+    hidden [B, T_{k-1}, H] (step 0: the features [B, T, H]), alive [B, T_{k-1}] (step 0: None) -> (the step's loss
+    and counts, None where no chain reaches it; hidden [B, T_k, H] and alive [B, T_k] for step k+1)."""
+    st = draft_step(draft, k, hidden, alive, s)
+    if st is None:
+        return None, hidden, alive
+    loss = step_loss(st.logits, st.at, st.sel, st.base_row, s)
     feat = None
     if k == 0 and s.settings.feature_loss_weight > 0:
-        feat = feature_loss(h, s.last_hidden, counted, base_row, s.rows.count)
-    correct, alive = step_accuracy(logits, at, sel, counted, alive, s.targets)
-    return StepResult(loss, correct, counted.sum().float(), alive.sum().float(), feat), draft.next_hidden(h), alive
+        feat = feature_loss(st.h, s.last_hidden, st.counted, st.base_row, s.rows.count)
+    correct, alive = step_accuracy(st.logits, st.at, st.sel, st.counted, st.alive, s.targets)
+    return StepResult(loss, correct, st.counted.sum().float(), alive.sum().float(), feat), draft.next_hidden(st.h), \
+        alive
 
 
 def prune_chains(hidden: torch.Tensor, alive: torch.Tensor, grown_before: Optional[torch.Tensor],

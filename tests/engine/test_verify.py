@@ -7,6 +7,7 @@ from conftest import force_ragged_trees, random_draft, tiny_target
 
 from sglang_eagle3.engine import spec_worker as engine_mod
 from sglang_eagle3.engine.engine import SpeculativeEngine
+from sglang_eagle3.engine.sampled_tree import DraftSampler
 from sglang_eagle3.engine.sampled_tree import _try_sampled as exact_try_sampled
 from sglang_eagle3.engine.settings import Settings
 from sglang_eagle3.engine.speculation import SpecConfig
@@ -179,11 +180,23 @@ def accept_with_p(target, draft, token):
     return float(target[token]), left, draft
 
 
+def stale_q_draw(logits, params, k, excluded, generator, scale=1.0):
+    """A planted bias in a calibrated draft: the children drawn from the sharpened q, the verify handed q at the
+    request's own temperature."""
+    _, scores, drawn = REAL_DRAW(logits, params, k, excluded, generator, scale)
+    q, _, _ = REAL_DRAW(logits, params, k, excluded, torch.Generator().manual_seed(0), 1.0)
+    return q, scores, drawn
+
+
+REAL_DRAW = DraftSampler.draw
+
+
 @pytest.mark.parametrize("biased,top_p,top_k,ext,drafter", [
     (False, 0.95, 0, True, "eagle"), (False, 1.0, 0, True, "eagle"), (False, 0.95, 6, False, "eagle"),
     (True, 0.95, 0, False, "eagle"), (False, 0.95, 0, True, "hybrid"), (False, 0.9, 6, False, "hybrid"),
     (True, 0.95, 0, False, "hybrid"), (False, 0.95, 0, True, "suffix"), (False, 0.95, 0, True, "hybrid-ragged"),
-    (True, 0.95, 0, False, "eagle-ragged")])
+    (True, 0.95, 0, False, "eagle-ragged"), (False, 0.95, 0, True, "eagle-calibrated"),
+    (False, 0.9, 6, False, "hybrid-calibrated"), (True, 1.0, 0, False, "eagle-calibrated")])
 def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, drafter, monkeypatch):
     """Tokens 1..3 of 3000 seeded runs (batch 1000) vs the target's exact marginals: the real verifier
     passes a chi-square test at p > 1e-3; the biased one must fail it (p < 1e-6). The draft's children are sampled
@@ -191,10 +204,13 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, 
     csrc draws the children and walks the trees (where the extension is built), else PyTorch does (Gumbel-top-k,
     sampled_tree's walk). hybrid / suffix: trees that hold nodes the context proposed (deterministic proposals
     beside the draft's samples, or alone) stay exact too. -ragged: the rows of a step hold trees of different sizes
-    (one verify budget for the batch; forced here)."""
+    (one verify budget for the batch; forced here). -calibrated: the children are drawn from q sharpened at depth 0
+    and flattened at depth 1 (a draft calibration); its planted bias hands the verify the unsharpened q."""
     from sglang_eagle3.engine import sampled_tree
+    from sglang_eagle3.engine.draft_calibration import DraftCalibration
     from sglang_eagle3.engine.speculation import Drafting
-    drafter, _, ragged = drafter.partition("-")
+    drafter, _, variant = drafter.partition("-")
+    ragged, calibration = variant == "ragged", DraftCalibration((2.5, 0.4)) if variant == "calibrated" else None
     if ragged:
         ragged_steps = force_ragged_trees(monkeypatch)
     tm, hf = tiny_target("llama", vocab_size=16, logit_scale=3.0)
@@ -204,7 +220,9 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, 
     if not ext:                                  # the PyTorch draws (Gumbel-top-k) and walks
         monkeypatch.setattr(engine_mod, "sampling_in_extension", lambda *a: False)
         monkeypatch.setattr(decode_kernels, "sampling_in_extension", lambda *a: False)
-    if biased:
+    if biased and calibration is not None:
+        monkeypatch.setattr(sampled_tree.DraftSampler, "draw", staticmethod(stale_q_draw))
+    elif biased:
         monkeypatch.setattr(engine_mod, "verify_sampling", biased_verify_sampling)
         monkeypatch.setattr(sampled_tree, "_try_sampled", accept_with_p)
         if drafter == "suffix":
@@ -214,7 +232,8 @@ def test_engine_sampling_matches_target_distribution(biased, top_p, top_k, ext, 
     monkeypatch.setattr(engine_mod, "accept_sampled_row", lambda *a: walks.append(int((a[2] >= 0).sum())) or
                         real_walk(*a))
     drafting = Drafting(drafter, context_tokens=3, context_branches=2, min_match=1)
-    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), Settings(tree=SpecConfig(2, 3, 6), drafting=drafting))
+    eng = SpeculativeEngine(tm, random_draft(tm, seed=4), Settings(tree=SpecConfig(2, 3, 6), drafting=drafting,
+                                                                   calibration=calibration))
     counts = torch.zeros(3, 16)
     from_context = 0
     for seed in range(3):
