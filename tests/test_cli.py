@@ -746,3 +746,25 @@ def test_demo_refuses_contradicting_flags_in_one_line(tmp_path, capsys):
         assert demo.main(["--data", str(tmp_path), *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, (argv, err)
+
+
+def test_generate_reports_the_draft_calibration_it_samples_with(folders, tmp_path, capsys):
+    """A draft folder with a draft_calibration.json: generate --json names the scales its sampled children use, and
+    none with --draft-children sampled-raw; a broken file stops it in one line naming the file."""
+    import shutil
+
+    from sglang_eagle3.engine.draft_calibration import FILE, DraftCalibration
+    target, draft, _ = folders
+    calibrated = tmp_path / "calibrated"
+    shutil.copytree(draft, calibrated)
+    (calibrated / FILE).write_text(json.dumps(DraftCalibration((1.5, 1.1)).as_json()))
+    args = ["--target", target, "--draft", str(calibrated), "--prompt", "w1 w2", "--max-new-tokens", "4",
+            "--temperature", "1", "--seed", "0"]
+    out = run_json(capsys, *args)
+    assert out["drafting"]["children"] == "sampled" and out["drafting"]["calibration"] == [1.5, 1.1]
+    out = run_json(capsys, *args, "--draft-children", "sampled-raw")
+    assert out["drafting"]["children"] == "sampled-raw" and out["drafting"]["calibration"] is None
+    (calibrated / FILE).write_text("{")
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{calibrated / FILE}: not a readable JSON file" in err and len(err.splitlines()) == 1, err

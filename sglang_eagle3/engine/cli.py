@@ -108,8 +108,9 @@ def run_generate(a) -> int:
     outputs, stats = decode_conversations(engine, rows, params, a)
     tree = settings.step_tree                  # with --tree auto: its size is the most a step verifies
     d = settings.drafting
-    drafting = {"drafter": d.drafter, "tree": d.tree, **({"max_nodes": d.max_nodes} if d.tree == "auto" else {})} \
-        if settings.speculates else None
+    drafting = {"drafter": d.drafter, "tree": d.tree, **({"max_nodes": d.max_nodes} if d.tree == "auto" else {}),
+                "children": d.children, "calibration": list(settings.calibration.logit_scale)
+                if settings.calibration is not None else None} if settings.speculates else None
     if a.json:
         json.dump({"outputs": outputs, "stats": stats.as_dict(), "draft": settings.draft or "none",
                    "dtype": settings.dtype, "source": settings.source, "drafting": drafting,
