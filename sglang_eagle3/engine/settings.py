@@ -399,7 +399,7 @@ def add_children_arg(g) -> None:
                         "sharpened per tree depth by the draft folder's draft_calibration.json where it has one "
                         "(sampled-raw: at the request's own temperature), and verifies them by recursive rejection "
                         "sampling; top-k takes its likeliest tokens and accepts "
-                        "each with the target's probability (the EAGLE authors' scheme). Both keep the target's "
+                        "each with the target's probability (the EAGLE authors' scheme). All three keep the target's "
                         "distribution exactly; greedy decoding is the same either way")
 
 
