@@ -45,16 +45,19 @@ class DraftTree:
 
     @property
     def paths(self) -> torch.Tensor:
-        """Retrieve paths [B, P, max_depth + 1]: root-to-leaf node indices per leaf, -1 padded."""
+        """Retrieve paths [B, P, max_depth + 1]: root-to-leaf node indices per leaf, -1 padded (a ragged tree's
+        padding is no leaf)."""
         B, N = self.parents.shape
         Dm = int(self.depth.max()) + 1
         by_depth = torch.full((B, N, Dm + 1), -1, dtype=torch.long, device=self.parents.device)
         slot = torch.where(self.mask, self.depth.unsqueeze(1), Dm)                      # [B, N, N]
         by_depth.scatter_(2, slot, torch.arange(N, device=slot.device).expand(B, N, N))
         by_depth = by_depth[..., :Dm]                                                    # [B, N, Dm] ancestors of i
-        is_parent = torch.zeros(B, N, dtype=torch.bool, device=self.parents.device)
-        is_parent.scatter_(1, self.parents.clamp(min=0), self.parents >= 0)
-        leaf = ~is_parent
+        children = torch.zeros(B, N, dtype=torch.long, device=self.parents.device)     # [B, N] each node's children
+        children.scatter_add_(1, self.parents.clamp(min=0), (self.parents >= 0).long())  # (a sum: the root's -1
+        leaf = children == 0                                                             # and padding's add 0)
+        if self.row_nodes is not None:                                                   # padding: no leaf
+            leaf &= torch.arange(N, device=leaf.device) < self.row_nodes.view(B, 1)
         P = int(leaf.sum(1).max())
         order = torch.sort((~leaf).long(), dim=1, stable=True).indices[:, :P]          # leaves first, in order
         paths = torch.gather(by_depth, 1, order.unsqueeze(-1).expand(B, P, Dm))

@@ -260,6 +260,9 @@ def test_a_ragged_tree_is_each_rows_own_tree_then_padding(cands, root_pos, data)
         assert got.parents[b, n:].eq(-1).all() and got.tokens[b, n:].eq(roots[b]).all()
         assert torch.equal(got.mask[b, n:, n:], torch.eye(N - n, dtype=torch.bool))
         assert chosen[b, n - 1:].eq(-1).all() and chosen[b, :n - 1].ge(0).all()
+        mine = [x for x in got.paths[b].tolist() if max(x) >= 0]           # root-to-leaf paths: the row's own
+        theirs = [x[:got.paths.shape[2]] for x in own.paths[0].tolist() if max(x) >= 0]
+        assert sorted(mine) == sorted(x + [-1] * (got.paths.shape[2] - len(x)) for x in theirs), b
     logits = torch.zeros(B, N, 64)
     logits[torch.arange(B), 0, roots] = 1.0                  # the target picks the root's own token: padding's
     for walk in (kernels.accept_greedy, lambda t, p, m, z: kernels.accept_greedy_ref(t, p, m, z.argmax(-1))):
