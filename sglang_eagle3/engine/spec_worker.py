@@ -222,19 +222,23 @@ class SpecWorker:
         if size <= 1:
             return StepPlan(root_only_tree(batch.roots, batch.root_pos), None, proposal.drafted)
         ragged = sizes if min(sizes) < size else None
+        # the candidates the tree takes [B, size - 1], where the context's nodes or the sampled draws need them
+        counts = None if ragged is None else torch.tensor(ragged, device=cands.scores.device)
+        chosen = chosen_candidates(cands, size, counts) if proposal.with_context or cands.drawn_from is not None \
+            else None
         if proposal.with_context:              # the tree tells the context's nodes apart
-            tree, from_context = tree_of(cands, batch.roots, batch.root_pos, size, ragged)
+            tree, from_context = tree_of(cands, batch.roots, batch.root_pos, size, ragged, chosen)
         else:
             tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, batch.roots, batch.root_pos, size,
                                     ragged)
             from_context = None
-        return StepPlan(tree, from_context, proposal.drafted, self.draws(cands, tree))
+        return StepPlan(tree, from_context, proposal.drafted, self.draws(cands, chosen))
 
-    def draws(self, cands: Candidates, tree: DraftTree) -> Optional[SampledDraws]:
-        """Where rows sampled their children: the q slot of each tree node and the q, for the verify."""
+    def draws(self, cands: Candidates, chosen: Optional[torch.Tensor]) -> Optional[SampledDraws]:
+        """Where rows sampled their children: the q slot of each tree node and the q, for the verify. chosen
+        [B, N - 1]: the candidates the tree took (chosen_candidates)."""
         if cands.drawn_from is None:
             return None
-        chosen = chosen_candidates(cands, tree.num_nodes, tree.row_nodes)                      # [B, N - 1]
         drawn = gather_candidates(cands.drawn_from, chosen, -1)
         drawn = torch.cat([torch.full_like(drawn[:, :1], -1), drawn], 1)
         return SampledDraws(drawn, cands.draft_q, self.drafter.draft_targets)

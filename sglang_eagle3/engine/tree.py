@@ -300,11 +300,11 @@ def gather_candidates(values: torch.Tensor, chosen: torch.Tensor, padding) -> to
     return torch.where(chosen >= 0, torch.gather(values, 1, chosen.clamp(min=0)), padding)
 
 
-def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int,
-            row_nodes: Optional[list[int]] = None) -> tuple[DraftTree, torch.Tensor]:
+def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int, row_nodes: Optional[list[int]] = None,
+            chosen: Optional[torch.Tensor] = None) -> tuple[DraftTree, torch.Tensor]:
     """The tree of the num_nodes - 1 best candidates (num_nodes - 1 <= every row's real candidates; a ragged tree:
     row b's row_nodes[b] - 1 best, num_nodes = max(row_nodes)) and, per node, whether the context alone proposed it
-    ([B, num_nodes] bool; the root and padding: False)."""
+    ([B, num_nodes] bool; the root and padding: False). chosen: chosen_candidates' answer, where the caller has it."""
     have = cands.finite()
     wanted = [num_nodes] * len(have) if row_nodes is None else row_nodes
     short = [b for b, n in enumerate(wanted) if n - 1 > have[b]]
@@ -313,5 +313,7 @@ def tree_of(cands: Candidates, root_tokens, root_positions, num_nodes: int,
         raise ValueError(f"a tree of {wanted[b]} nodes needs {wanted[b] - 1} candidates in row {b}, it has {have[b]}")
     tree = build_draft_tree(cands.tokens, cands.scores, cands.parents, root_tokens, root_positions, num_nodes,
                             row_nodes)
-    context = gather_candidates(cands.from_context, chosen_candidates(cands, num_nodes, tree.row_nodes), False)
+    if chosen is None:
+        chosen = chosen_candidates(cands, num_nodes, tree.row_nodes)
+    context = gather_candidates(cands.from_context, chosen, False)
     return tree, torch.cat([torch.zeros_like(context[:, :1]), context], 1)
