@@ -134,6 +134,8 @@ def add_row(grid: AcceptanceGrid, target, draft, ids: torch.Tensor, answer_from:
     batch = TTTBatch(ids, mask, last, aux)
     settings = TTTSettings(ttt_length=grid.depths, grow_every_chain=True)
     inputs = step_inputs(draft, batch, target.lm_head, settings)
+    # the target's logits at the answer's positions, once: every depth predicts at those (the loss mask's)
+    target_logits = target.lm_head(last[0, answer_from:].to(target.lm_head.weight.dtype))   # [T - answer_from, V]
     index = torch.arange(ids.shape[1], device=dev).view(1, -1)                 # [1, T] position ids
     hidden, alive = _features(draft, batch, "fused"), None
     for k in range(grid.depths):
@@ -141,7 +143,7 @@ def add_row(grid: AcceptanceGrid, target, draft, ids: torch.Tensor, answer_from:
         if st is None:
             break
         at = st.at.ahead(index)[st.sel]                                        # [S] the positions it predicts
-        grid.add(k, st.logits, target.lm_head(last[0, at].to(target.lm_head.weight.dtype)), inputs.targets.draft_ids)
+        grid.add(k, st.logits, target_logits[at - answer_from], inputs.targets.draft_ids)
         hidden, alive = draft.next_hidden(st.h), torch.ones_like(st.sel)
 
 
